@@ -1,0 +1,121 @@
+"""Configuration of a draft head (GRIFFIN or EAGLE), stored as ``config.json`` beside its weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import LlamaConfig
+
+ARCHS = ("griffin", "eagle")
+
+
+@dataclass
+class DraftConfig:
+    """A Llama-style one-layer config plus the fields that describe the head and the target it was trained for.
+
+    ``intermediate_size`` is the decoder layer's MLP width; ``tgf_intermediate_size`` the width of Token-Guided
+    Fusion's expansion (GRIFFIN only). ``draft_vocab_size`` > 0 restricts the head's logits to that many target tokens
+    (ids stored with the weights), which makes drafting cheaper without affecting losslessness.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    arch: str = "griffin"
+    head_dim: int | None = None
+    tgf_intermediate_size: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    fc_bias: bool = True
+    draft_vocab_size: int = 0
+    num_hidden_layers: int = 1
+    target: dict[str, Any] = field(default_factory=dict)
+    model_type: str = "griffin_draft"
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.arch == "griffin" and self.tgf_intermediate_size is None:
+            self.tgf_intermediate_size = self.intermediate_size
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [0, {self.vocab_size}] (0 = full vocabulary)")
+
+    @property
+    def is_griffin(self) -> bool:
+        return self.arch == "griffin"
+
+    @property
+    def output_vocab_size(self) -> int:
+        return self.draft_vocab_size or self.vocab_size
+
+    @classmethod
+    def from_target(cls, target_config, arch: str = "griffin", **overrides: Any) -> DraftConfig:
+        """Derive the head's shape from the target's config (a HF config object or a dict)."""
+        from .target import target_fingerprint
+
+        get = (lambda k, d=None: target_config.get(k, d)) if isinstance(target_config, dict) else (
+            lambda k, d=None: getattr(target_config, k, d))
+        rope = get("rope_parameters")
+        if not rope:  # configs from before transformers 5 keep rope_theta and rope_scaling apart
+            rope = dict(get("rope_scaling") or {"rope_type": "default"})
+            rope.setdefault("rope_type", rope.pop("type", "default"))
+            rope["rope_theta"] = get("rope_theta", 10000.0)
+        fields = dict(
+            arch=arch,
+            hidden_size=get("hidden_size"),
+            intermediate_size=get("intermediate_size"),
+            num_attention_heads=get("num_attention_heads"),
+            num_key_value_heads=get("num_key_value_heads") or get("num_attention_heads"),
+            head_dim=get("head_dim"),
+            vocab_size=get("vocab_size"),
+            rms_norm_eps=get("rms_norm_eps", 1e-6),
+            rope_parameters=dict(rope),
+            max_position_embeddings=get("max_position_embeddings", 4096),
+            attention_bias=bool(get("attention_bias", False)),
+            target={
+                "name": get("name_or_path") or get("_name_or_path") or "",
+                "fingerprint": target_fingerprint(target_config) if not isinstance(target_config, dict) else "",
+                "hidden_size": get("hidden_size"),
+                "vocab_size": get("vocab_size"),
+            },
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_llama_config(self) -> LlamaConfig:
+        """The equivalent one-layer LlamaConfig (used for the rotary embedding)."""
+        return LlamaConfig(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, num_hidden_layers=1, vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=dict(self.rope_parameters), max_position_embeddings=self.max_position_embeddings,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DraftConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown fields in draft config: {unknown}")
+        return cls(**data)
+
+    def save(self, folder: str | os.PathLike) -> None:
+        from .io import atomic_write_text
+
+        atomic_write_text(Path(folder) / "config.json", json.dumps(self.to_dict(), indent=2) + "\n")

@@ -1,0 +1,298 @@
+"""Draft heads: EAGLE-1/2 (``arch="eagle"``) and GRIFFIN (``arch="griffin"``, Token-Guided Fusion + dual heads).
+
+At draft position ``t`` the head reads the token ``x_{t+1}`` (through the target's frozen embedding) and the feature
+``f_t`` that predicted it, and returns two features: ``predict`` (fed to the target's frozen lm_head for the logits of
+``x_{t+2}``) and ``regress`` (fed back as the feature of position ``t+1`` while drafting). EAGLE returns one feature
+for both. The target's embedding and lm_head are attached at run time (:meth:`DraftModel.attach`), never stored.
+
+Shapes: B batch, T new positions, S keys (cache + new), H hidden, nh/nkv heads, D head dim, V (draft) vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from .config import DraftConfig
+from .io import atomic_write
+from .target import target_fingerprint
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+class DraftOutput(NamedTuple):
+    predict: torch.Tensor  # [B, T, H] -> lm_head -> logits of the next token
+    regress: torch.Tensor  # [B, T, H] -> the next position's input feature while drafting
+    key: torch.Tensor  # [B, nkv, T, D] keys of the new positions (after RoPE)
+    value: torch.Tensor  # [B, nkv, T, D]
+
+
+class EagleFusion(nn.Module):
+    """``h = fc(cat(e, f))``."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
+
+    def forward(self, e: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat((e, f), dim=-1))
+
+
+class TokenGuidedFusion(EagleFusion):
+    """GRIFFIN's TGF: ``u = fc(cat(e, f))``; ``v = u + down(SiLU(up(cat(n(norm_fused(u)), n(e)))))``.
+
+    ``n`` is one RMSNorm shared by both inputs, exactly as in the official checkpoints; the second input is the token
+    embedding (the paper's ablation shows it matters).
+    """
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__(cfg)
+        self.norm_fused = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.up = nn.Linear(2 * cfg.hidden_size, cfg.tgf_intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.tgf_intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, e: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        u = super().forward(e, f)
+        z = self.up(torch.cat((self.norm(self.norm_fused(u)), self.norm(e)), dim=-1))
+        return u + self.down(F.silu(z))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
+
+    def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """h [B, T, H] -> q [B, nh, T, D], k and v [B, nkv, T, D], with RoPE applied to q and k."""
+        b, t, _ = h.shape
+        q = self.q_proj(h).view(b, t, self.nh, self.d).transpose(1, 2)
+        k = self.k_proj(h).view(b, t, self.nkv, self.d).transpose(1, 2)
+        v = self.v_proj(h).view(b, t, self.nkv, self.d).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [B, nh, T, D], k/v [B, nkv, S, D], mask bool [B or 1, 1, T, S] (True = attend) -> [B, T, nh*D]."""
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv)
+        return self.o_proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], self.nh * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, out: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, out, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """A Llama decoder layer without its input RMSNorm. GRIFFIN's MLP outputs 2H onto a duplicated residual."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        out = 2 * cfg.hidden_size if cfg.is_griffin else cfg.hidden_size
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, out)
+        self.dual = cfg.is_griffin
+
+    def finish(self, r: torch.Tensor) -> torch.Tensor:
+        """r = h + attention(h), [B, T, H] -> [B, T, H] (EAGLE) or [B, T, 2H] (GRIFFIN)."""
+        residual = torch.cat((r, r), dim=-1) if self.dual else r
+        return residual + self.mlp(self.post_attention_layernorm(r))
+
+
+class DraftModel(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.config = config
+        self.fusion = TokenGuidedFusion(config) if config.is_griffin else EagleFusion(config)
+        self.layer = DecoderLayer(config)
+        self.rotary = LlamaRotaryEmbedding(config.to_llama_config())
+        if config.draft_vocab_size:
+            # draft token index -> target token id
+            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size), persistent=True)
+        else:
+            self.draft_vocab = None
+        self._shared: dict[str, torch.Tensor | nn.Module | None] = {}
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    # --- target-shared parts -----------------------------------------------------------------------------------------
+
+    def attach(self, target: nn.Module) -> DraftModel:
+        """Share the target's embedding and lm_head (frozen). Raises if the head was built for another target."""
+        cfg, tcfg = self.config, target.config
+        hidden, vocab = tcfg.hidden_size, target.get_input_embeddings().num_embeddings
+        if (hidden, vocab) != (cfg.hidden_size, cfg.vocab_size):
+            name = cfg.target.get("name") or "another target"
+            raise ValueError(
+                f"this draft head was built for {name} (hidden size {cfg.hidden_size}, vocabulary {cfg.vocab_size}) "
+                f"but the target has hidden size {hidden} and vocabulary {vocab}: use a head trained for this target "
+                "(python -m training.build_features / training.train) or the matching target"
+            )
+        expected = cfg.target.get("fingerprint")
+        if expected and expected != target_fingerprint(tcfg):
+            log.warning("draft head was trained for target %s with another architecture fingerprint; acceptance may "
+                        "be poor (outputs stay exact)", cfg.target.get("name"))
+        lm_head = target.get_output_embeddings()
+        self._shared = {"embed": target.get_input_embeddings(), "lm_head": lm_head}
+        self.refresh_lm_weight()
+        return self
+
+    def refresh_lm_weight(self, dtype: torch.dtype | None = None) -> None:
+        """Cache the lm_head rows of the draft vocabulary (in ``dtype``, default the head's own dtype)."""
+        lm_head = self._shared["lm_head"]
+        weight = lm_head.weight.detach()
+        bias = lm_head.bias.detach() if getattr(lm_head, "bias", None) is not None else None
+        if self.draft_vocab is not None:
+            ids = self.draft_vocab.to(weight.device)
+            weight = weight[ids]
+            bias = bias[ids] if bias is not None else None
+        dtype = dtype or self.fusion.fc.weight.dtype
+        self._shared["lm_weight"] = weight.to(dtype)
+        self._shared["lm_bias"] = bias.to(dtype) if bias is not None else None
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._shared)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self._shared:
+            raise RuntimeError("attach the draft head to its target first: draft.attach(target_model)")
+        return self._shared["embed"](input_ids).to(self.fusion.fc.weight.dtype)
+
+    def logits(self, predict: torch.Tensor) -> torch.Tensor:
+        """predict [.., H] -> logits over the draft vocabulary [.., V]."""
+        return F.linear(predict.to(self._shared["lm_weight"].dtype), self._shared["lm_weight"], self._shared["lm_bias"])
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.draft_vocab is None else self.draft_vocab[draft_ids]
+
+    # --- forward -----------------------------------------------------------------------------------------------------
+
+    def fuse(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T], features [B, T, H] -> fused input of the decoder layer [B, T, H]."""
+        return self.fusion(self.embed(input_ids), features.to(self.fusion.fc.weight.dtype))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache=None,
+        past_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> DraftOutput:
+        """One decoder pass over T new positions.
+
+        Keys are (in order) ``past_kv`` or the cache's stored keys, then the T new ones. ``mask`` is bool
+        [B or 1, 1, T, S] with True = attend; None means causal over the new positions with full access to the past.
+        """
+        return self.forward_fused(self.fuse(input_ids, features), position_ids, mask, cache, past_kv)
+
+    def forward_fused(self, h, position_ids, mask=None, cache=None, past_kv=None) -> DraftOutput:
+        cos, sin = self.rotary(h, position_ids)
+        q, k_new, v_new = self.layer.self_attn.project(h, cos, sin)
+        if cache is not None:
+            k, v = cache.append(k_new, v_new)
+        elif past_kv is not None:
+            k, v = torch.cat((past_kv[0], k_new), dim=2), torch.cat((past_kv[1], v_new), dim=2)
+        else:
+            k, v = k_new, v_new
+        if mask is None:
+            t, s = q.shape[2], k.shape[2]
+            mask = torch.ones(t, s, dtype=torch.bool, device=h.device).tril(s - t)[None, None]
+        out = self.layer.finish(h + self.layer.self_attn.attend(q, k, v, mask))
+        hsz = self.config.hidden_size
+        if self.config.is_griffin:
+            return DraftOutput(out[..., :hsz], out[..., hsz:], k_new, v_new)
+        return DraftOutput(out, out, k_new, v_new)
+
+    # --- persistence -------------------------------------------------------------------------------------------------
+
+    def num_parameters(self) -> int:
+        """Trainable parameters of the head (the target's embedding and lm_head are shared, not counted)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def save_pretrained(self, folder: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+        """Write ``config.json`` and ``model.safetensors`` (atomically; the target's parts are not stored)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {}
+        for k, v in self.state_dict().items():
+            v = v.detach().contiguous().cpu()
+            state[k] = v.to(dtype) if dtype is not None and v.is_floating_point() else v
+        atomic_write(folder / WEIGHTS_NAME, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+        self.config.save(folder)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        folder: str | os.PathLike,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        target_config=None,
+    ) -> DraftModel:
+        """Load a head saved by :meth:`save_pretrained`, or an official GRIFFIN / EAGLE checkpoint folder.
+
+        Official checkpoints carry no record of their target; pass ``target_config`` to record it.
+        """
+        from .official import is_official_config, load_official
+
+        folder = Path(folder)
+        config_path = folder / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{folder} is not a draft head folder: config.json is missing")
+        raw = json.loads(config_path.read_text())
+        if is_official_config(raw):
+            model = load_official(folder, raw, target_config)
+        else:
+            weights = folder / WEIGHTS_NAME
+            if not weights.is_file():
+                raise FileNotFoundError(f"{weights} is missing")
+            model = cls(DraftConfig.from_dict(raw))
+            state = load_file(str(weights))
+            check_state_dict(model, state, str(weights))
+            model.load_state_dict(state)
+        model.requires_grad_(False).eval()
+        # Heads are often stored in fp16, which CPUs compute slowly: default to fp32.
+        return model.to(device=device, dtype=dtype or torch.float32)
+
+
+def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Fail with one message listing every missing, unexpected or mis-shaped key."""
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k])}"
+              for k in sorted(set(expected) & set(state)) if tuple(state[k].shape) != tuple(expected[k])]
+    if missing or unexpected or shapes:
+        parts = [f"missing keys {missing}" if missing else "", f"unexpected keys {unexpected}" if unexpected else "",
+                 f"shape mismatches {shapes}" if shapes else ""]
+        raise ValueError(f"cannot load {source}: " + "; ".join(p for p in parts if p))

@@ -1,0 +1,290 @@
+"""SpecGenerator: speculative generation with a draft head, exactly the target's output.
+
+One cycle: the head drafts a tree (:mod:`griffin.tree`), the target verifies every node in one forward pass through
+its public HF forward (4D tree mask, position ids, preallocated KV cache), the longest acceptable path plus one bonus
+token is emitted, the KV entries of that path are compacted in place, and the head reads the target's features of the
+accepted tokens before drafting again.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .chat import prompt_ids
+from .draft import DraftModel
+from .drafters import HeadDrafter
+from .kv_cache import BufferCache
+from .sampling import SamplingConfig, accept_greedy, accept_sampling, sample_token
+from .target import EMBEDDED_TARGET, load_target, resolve_dtype
+from .tree import Tree
+
+CHECKPOINTS = Path(os.environ.get("GRIFFIN_CHECKPOINTS", Path(__file__).resolve().parent.parent / "checkpoints"))
+DEFAULT_HEADS = {EMBEDDED_TARGET: "smollm2-135m-instruct-griffin"}
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    cycles: int = 0  # target verification passes (the prefill is not a cycle)
+    accepted_hist: dict[int, int] = field(default_factory=dict)  # tokens emitted per cycle (bonus included) -> count
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    other_s: float = 0.0
+    prefill_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Acceptance length: new tokens per verification pass."""
+        return self.new_tokens / self.cycles if self.cycles else float(self.new_tokens)
+
+    @property
+    def wall_s(self) -> float:
+        return self.draft_s + self.verify_s + self.other_s + self.prefill_s
+
+    def as_dict(self) -> dict:
+        return {"new_tokens": self.new_tokens, "cycles": self.cycles, "tau": self.tau,
+                "accepted_hist": dict(sorted(self.accepted_hist.items())), "draft_s": self.draft_s,
+                "verify_s": self.verify_s, "other_s": self.other_s, "prefill_s": self.prefill_s, "wall_s": self.wall_s}
+
+
+@dataclass
+class GenerationResult:
+    sequences: torch.Tensor  # [1, prompt + new] like transformers' generate
+    stats: GenerationStats
+    text: str = ""  # the decoded new tokens
+
+
+class _Clock:
+    """Accumulates wall time into a stats field; synchronises CUDA so the split is honest."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.t = time.perf_counter()
+
+    def lap(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        elapsed, self.t = now - self.t, now
+        return elapsed
+
+
+class SpecGenerator:
+    def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, draft: DraftModel, depth: int = 5,
+                 top_k: int = 8, total_tokens: int = 24, draft_dtype: torch.dtype | None = None):
+        for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.target, self.tokenizer = target, tokenizer
+        self.device = next(target.parameters()).device
+        self.draft = draft.to(device=self.device, dtype=draft_dtype or draft.fusion.fc.weight.dtype).eval()
+        self.draft.attach(target)
+        self.decoder = target.get_decoder()
+        self.lm_head = target.get_output_embeddings()
+        self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.num_layers = target.config.get_text_config().num_hidden_layers
+
+    @classmethod
+    def from_pretrained(cls, target: str | os.PathLike | PreTrainedModel = EMBEDDED_TARGET,
+                        draft: str | os.PathLike | DraftModel | None = None, *, depth: int = 5, top_k: int = 8,
+                        total_tokens: int = 24, dtype: str | torch.dtype | None = None,
+                        device: str | torch.device | None = None, draft_dtype: str | torch.dtype | None = None,
+                        tokenizer: PreTrainedTokenizerBase | None = None) -> SpecGenerator:
+        """``target``: a name (``smollm2-135m-instruct``), a local HF folder or a loaded model; ``draft``: a head
+        folder, a :class:`DraftModel`, or None for the head shipped for the target."""
+        if isinstance(target, PreTrainedModel):
+            model = target.eval()
+            tokenizer = tokenizer or AutoTokenizer.from_pretrained(model.config._name_or_path)
+            target_name = model.config._name_or_path
+        else:
+            model, loaded_tokenizer = load_target(target, dtype=dtype, device=device)
+            tokenizer = tokenizer or loaded_tokenizer
+            target_name = str(target)
+        if draft is None:
+            draft = default_head(target_name)
+        if not isinstance(draft, DraftModel):
+            draft = DraftModel.from_pretrained(draft)
+        return cls(model, tokenizer, draft, depth=depth, top_k=top_k, total_tokens=total_tokens,
+                   draft_dtype=resolve_dtype(draft_dtype))
+
+    # --- inputs --------------------------------------------------------------------------------------------------
+
+    def encode(self, inputs) -> torch.Tensor:
+        """Token ids, a string (tokenized as is) or chat messages (chat template applied) -> [P] LongTensor."""
+        if isinstance(inputs, str):
+            ids = self.tokenizer(inputs, add_special_tokens=True)["input_ids"]
+        elif isinstance(inputs, Sequence) and inputs and isinstance(inputs[0], dict):
+            ids = prompt_ids(self.tokenizer, list(inputs))
+        elif isinstance(inputs, torch.Tensor):
+            if inputs.dim() == 2 and inputs.shape[0] != 1:
+                raise ValueError(f"batch size {inputs.shape[0]} is not supported yet: pass one prompt")
+            ids = inputs.reshape(-1).tolist()
+        else:
+            ids = list(inputs)
+        if len(ids) == 0:
+            raise ValueError("the prompt is empty: pass at least one token")
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    def eos_ids(self, eos_token_id: int | Sequence[int] | None) -> torch.Tensor:
+        if eos_token_id is None:
+            eos_token_id = self.target.generation_config.eos_token_id
+            if eos_token_id is None:
+                eos_token_id = self.tokenizer.eos_token_id
+        ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    # --- target ------------------------------------------------------------------------------------------------------
+
+    def _target_forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
+                        cache: BufferCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [q] at positions [q], allowed [q, q] among them (all past entries visible) -> hidden, logits."""
+        ctx, q = cache.length, tokens.shape[0]
+        dtype = self.lm_head.weight.dtype
+        mask = torch.zeros(1, 1, q, ctx + q, dtype=dtype, device=self.device)
+        mask[0, 0, :, ctx:].masked_fill_(~tree_mask, torch.finfo(dtype).min)
+        out = self.decoder(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask,
+                           past_key_values=cache, use_cache=True)
+        hidden = out.last_hidden_state[0]  # [q, H] == hidden_states[-1]
+        return hidden, self.lm_head(hidden)
+
+    # --- generation ----------------------------------------------------------------------------------------------
+
+    def make_drafter(self, capacity: int) -> HeadDrafter:
+        """A drafter for one generation of up to ``capacity`` positions."""
+        return HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
+
+    @torch.inference_mode()
+    def _steps(self, ids: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig, eos: torch.Tensor,
+               generator: torch.Generator | None, stats: GenerationStats, drafter=None) -> Iterator[torch.Tensor]:
+        """Yield the new tokens of each cycle ([n] LongTensor) until EOS or the token budget."""
+        clock = _Clock(self.device)
+        p = ids.shape[0]
+        drafter = drafter or self.make_drafter(p + max_new_tokens)
+        tree_cap = min(self.total_tokens, self.top_k + (self.depth - 1) * self.top_k**2) + 1
+        cache = BufferCache(self.num_layers, p + max_new_tokens + max(tree_cap, drafter.total_tokens + 1))
+        positions = torch.arange(p, device=self.device)
+        causal = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()
+        hidden, logits = self._target_forward(ids, positions, causal, cache)
+        token = sample_token(logits[-1], sampling, generator)
+        stats.prefill_s += clock.lap()
+        stats.new_tokens = 1
+        yield token
+        if max_new_tokens == 1 or torch.isin(token, eos).any():
+            return
+        clock.lap()
+        drafter.start(ids, hidden, token)
+        stats.draft_s += clock.lap()
+        n = p  # position of the root: the newest token, not yet seen by the target
+        while True:
+            tree: Tree = drafter.propose(token)
+            stats.draft_s += clock.lap()
+            hidden, logits = self._target_forward(tree.tokens, n + tree.depths, tree.ancestors, cache)
+            stats.verify_s += clock.lap()
+            if sampling.greedy:
+                path, bonus = accept_greedy(tree, logits)
+            else:
+                path, bonus = accept_sampling(tree, logits, sampling, generator)
+            emitted = torch.cat((tree.tokens[path[1:]], bonus))
+            cache.keep(n, n + path)
+            stats.cycles += 1
+            stats.accepted_hist[len(emitted)] = stats.accepted_hist.get(len(emitted), 0) + 1
+            remaining = max_new_tokens - stats.new_tokens
+            hits = torch.isin(emitted, eos).nonzero()
+            stop = len(hits) > 0 or len(emitted) >= remaining
+            if len(hits):
+                emitted = emitted[: int(hits[0]) + 1]
+            emitted = emitted[:remaining]
+            stats.new_tokens += len(emitted)
+            stats.other_s += clock.lap()
+            yield emitted
+            if stop:
+                return
+            clock.lap()  # time spent by the consumer is nobody's
+            drafter.accept(emitted, hidden[path])
+            n += len(emitted)
+            token = emitted[-1:]
+            stats.draft_s += clock.lap()
+
+    def _prepare(self, inputs, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+                 max_length: int | None, seed: int | None):
+        sampling = SamplingConfig(temperature, top_p, top_k)
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        ids = self.encode(inputs)
+        if max_length is not None:
+            if ids.shape[0] >= max_length:
+                raise ValueError(f"the prompt has {ids.shape[0]} tokens, which leaves no room under max_length="
+                                 f"{max_length}: raise max_length or shorten the prompt")
+            max_new_tokens = min(max_new_tokens, max_length - ids.shape[0])
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator()
+            if seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(seed)
+        return ids, max_new_tokens, sampling, generator
+
+    def generate(self, inputs, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, eos_token_id: int | Sequence[int] | None = None, max_length: int | None = None,
+                 seed: int | None = None, streamer=None, drafter=None) -> GenerationResult:
+        """Generate like ``transformers``' ``generate`` (same tokens when greedy, same distribution when sampling).
+
+        ``inputs``: token ids, a string, or chat messages. ``streamer``: any transformers streamer (``put``/``end``).
+        ``drafter``: replaces the head's drafting for this call (see :mod:`griffin.drafters`).
+        """
+        ids, budget, sampling, generator = self._prepare(inputs, max_new_tokens, temperature, top_p, top_k,
+                                                         max_length, seed)
+        stats = GenerationStats()
+        chunks = []
+        if streamer is not None:
+            streamer.put(ids[None].cpu())
+        for chunk in self._steps(ids, budget, sampling, self.eos_ids(eos_token_id), generator, stats, drafter):
+            chunks.append(chunk)
+            if streamer is not None:
+                streamer.put(chunk.cpu())
+        if streamer is not None:
+            streamer.end()
+        new = torch.cat(chunks)
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        return GenerationResult(torch.cat((ids, new))[None], stats, text)
+
+    def stream(self, inputs, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               eos_token_id: int | Sequence[int] | None = None, max_length: int | None = None,
+               seed: int | None = None, stats: GenerationStats | None = None) -> Iterator[str]:
+        """Yield text pieces as tokens are accepted (incomplete UTF-8 characters are held back)."""
+        ids, budget, sampling, generator = self._prepare(inputs, max_new_tokens, temperature, top_p, top_k,
+                                                         max_length, seed)
+        stats = stats if stats is not None else GenerationStats()
+        new: list[int] = []
+        printed = 0
+        for chunk in self._steps(ids, budget, sampling, self.eos_ids(eos_token_id), generator, stats):
+            new += chunk.tolist()
+            text = self.tokenizer.decode(new, skip_special_tokens=True)
+            if text.endswith("\ufffd"):
+                continue
+            if len(text) > printed:
+                yield text[printed:]
+                printed = len(text)
+
+    def chat(self, messages: list[dict[str, str]], **kwargs) -> GenerationResult:
+        """Apply the target's chat template to ``messages`` and generate the assistant's reply (``result.text``)."""
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        return self.generate(messages, **kwargs)
+
+
+def default_head(target_name: str) -> Path:
+    """The head shipped for a target name (``checkpoints/``), or an error saying what to pass instead."""
+    name = DEFAULT_HEADS.get(str(target_name))
+    if name and (CHECKPOINTS / name / "config.json").is_file():
+        return CHECKPOINTS / name
+    raise ValueError(f"no draft head ships for target {str(target_name)!r}: pass draft=<head folder> (train one with "
+                     "python -m training.build_features and python -m training.train)")

@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny random-config targets (fast) and the embedded SmolLM2 target (a few end-to-end tests)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config
+from transformers import Qwen2ForCausalLM
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_model(family: str = "llama", vocab_size: int = 128, seed: int = 0, hidden: int = 64, layers: int = 2):
+    """A random-weight causal LM with GQA (4 query heads, 2 KV heads)."""
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                             "mistral": (MistralConfig, MistralForCausalLM)}[family]
+    torch.manual_seed(seed)
+    config = config_cls(**common)
+    config._attn_implementation = "sdpa"
+    model = model_cls(config).eval().requires_grad_(False)
+    # larger logits make greedy choices clear and sampling distributions non-uniform
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def smol_path() -> Path:
+    from griffin.target import embedded_target_path
+
+    return embedded_target_path()
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(smol_path):
+    return AutoTokenizer.from_pretrained(smol_path)
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    from griffin import load_target
+
+    return load_target("smollm2-135m-instruct", dtype="fp32")
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, smol_tokenizer) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template, saved as a local HF folder."""
+    folder = tmp_path_factory.mktemp("tiny-target")
+    model = tiny_model("llama", vocab_size=len(smol_tokenizer), hidden=32, layers=2)
+    model.save_pretrained(folder)
+    smol_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def run_module(module: str, *args: str, launcher: list[str] | None = None, timeout: int = 600,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m module args`` (or under a launcher) and capture its output."""
+    cmd = (launcher or [sys.executable, "-m"]) + [module, *args]
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full_env)

