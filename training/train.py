@@ -305,7 +305,8 @@ def train_stage(args: argparse.Namespace, store: FeatureStore) -> None:
     from accelerate import Accelerator
 
     kwargs = {"mixed_precision": args.mixed_precision} if args.mixed_precision else {}
-    acc = Accelerator(cpu=not torch.cuda.is_available(), **kwargs)
+    # the schedule counts global updates, so accelerate must not step it once per process
+    acc = Accelerator(cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False, **kwargs)
     target_head = load_target_head(args.target or store.manifest["target"], device=acc.device)
     check_target(store, args.target, target_head)
     Path(args.out).mkdir(parents=True, exist_ok=True)
