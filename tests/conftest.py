@@ -20,7 +20,7 @@ def tiny_model(family: str = "llama", vocab_size: int = 128, seed: int = 0, hidd
     """A random-weight causal LM with GQA (4 query heads, 2 KV heads)."""
     common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+                  tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                              "mistral": (MistralConfig, MistralForCausalLM)}[family]
     torch.manual_seed(seed)

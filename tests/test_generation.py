@@ -1,0 +1,215 @@
+"""SpecGenerator: exactly the target's output (greedy tokens, sampling distribution), stopping rules, bad input."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import TextStreamer
+
+from griffin import DraftConfig, DraftModel, SpecGenerator
+from griffin.drafters import OracleDrafter
+from griffin.sampling import SamplingConfig, warp
+from tests.conftest import tiny_model
+
+PROMPTS = [
+    "What is the capital of France?", "Write a haiku about autumn.", "List three prime numbers.",
+    "Explain photosynthesis in one sentence.", "Translate 'good morning' into Spanish.", "What is 12 times 7?",
+    "Give me a tip for learning to cook.", "Who wrote Romeo and Juliet?", "Describe a cat in five words.",
+    "Why is the sky blue?", "Name two planets.", "Write a short greeting for a birthday card.",
+    "What does a compiler do?", "Suggest a name for a pet fish.", "How many legs does a spider have?",
+    "Summarise the plot of Cinderella.", "What is the boiling point of water?", "Tell me a fun fact about owls.",
+    "Write a Python function that adds two numbers.", "What colour do you get by mixing blue and yellow?",
+]
+SHAPES = [(5, 8, 24), (3, 4, 8), (6, 10, 60), (1, 2, 2)]  # depth, top_k, total_tokens
+SMALL_SHAPES = [(5, 8, 24), (3, 4, 8), (4, 6, 16), (1, 2, 2)]
+
+
+class NoTokenizer:
+    """Tiny random targets work on token ids only."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(int(i)) for i in ids)
+
+
+def untrained_head(target, arch="griffin", seed=0):
+    torch.manual_seed(seed)
+    return DraftModel(DraftConfig.from_target(target.config, arch=arch))
+
+
+@pytest.fixture(scope="module")
+def smol_generator(embedded):
+    model, tokenizer = embedded
+    return SpecGenerator(model, tokenizer, untrained_head(model))
+
+
+def test_greedy_identical_to_transformers_on_embedded_target(smol_generator, embedded):
+    model, _ = embedded
+    for i, prompt in enumerate(PROMPTS):
+        depth, top_k, total = SMALL_SHAPES[i % len(SMALL_SHAPES)]
+        smol_generator.depth, smol_generator.top_k, smol_generator.total_tokens = depth, top_k, total
+        ids = smol_generator.encode([{"role": "user", "content": prompt}])
+        ours = smol_generator.generate(ids, max_new_tokens=16)
+        ref = model.generate(ids[None], max_new_tokens=16, do_sample=False)
+        assert torch.equal(ours.sequences, ref), (prompt, ours.sequences, ref)
+        assert ours.stats.new_tokens == ref.shape[1] - ids.shape[0]
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_oracle_paths_are_accepted_whole_on_embedded_target(smol_generator, embedded, mode):
+    model, _ = embedded
+    smol_generator.depth, smol_generator.top_k, smol_generator.total_tokens = 5, 8, 24
+    ids = smol_generator.encode([{"role": "user", "content": "Write a limerick about a robot."}])
+    ref = model.generate(ids[None], max_new_tokens=48, do_sample=False)
+    continuation = ref[0, ids.shape[0]:].tolist()
+    drafter = OracleDrafter(continuation, depth=6, top_k=4, total_tokens=24, mode=mode, vocab_size=49152)
+    ours = smol_generator.generate(ids, max_new_tokens=48, drafter=drafter)
+    assert torch.equal(ours.sequences, ref)
+    assert ours.stats.tau > 5  # 7 tokens per cycle except where EOS or the budget cuts
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_greedy_identical_on_tiny_targets_over_tree_shapes(family):
+    target = tiny_model(family, vocab_size=96)
+    for (depth, top_k, total), arch in itertools.product(SHAPES, ["griffin", "eagle"]):
+        gen = SpecGenerator(target, NoTokenizer(), untrained_head(target, arch), depth=depth, top_k=top_k,
+                            total_tokens=total)
+        for seed in range(2):
+            prompt = torch.randint(0, 96, (5 + seed,), generator=torch.Generator().manual_seed(seed))
+            ref = target.generate(prompt[None], max_new_tokens=25, do_sample=False)
+            assert torch.equal(gen.generate(prompt, max_new_tokens=25).sequences, ref)
+            oracle = OracleDrafter(ref[0, len(prompt):].tolist(), depth=depth, top_k=top_k, total_tokens=total,
+                                   mode="tree", vocab_size=96)
+            out = gen.generate(prompt, max_new_tokens=25, drafter=oracle)
+            assert torch.equal(out.sequences, ref)
+            if depth > 1:
+                assert max(out.stats.accepted_hist) == depth + 1
+
+
+def test_eos_inside_an_accepted_path_and_the_budget_boundary():
+    target = tiny_model("llama", vocab_size=96, seed=3)
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=5, top_k=3, total_tokens=15)
+    prompt = torch.tensor([5, 17, 33, 2])
+    full = target.generate(prompt[None], max_new_tokens=40, do_sample=False)[0, 4:].tolist()
+    # an EOS that first appears mid-way: generation must stop right after it, inside a 6-token accepted path
+    first_seen = {}
+    for i, tok in enumerate(full):
+        first_seen.setdefault(tok, i)
+    eos, pos = next((t, i) for t, i in first_seen.items() if i >= 8)
+    ref = target.generate(prompt[None], max_new_tokens=40, do_sample=False, eos_token_id=eos)
+    oracle = OracleDrafter(full, depth=5)
+    out = gen.generate(prompt, max_new_tokens=40, eos_token_id=eos, drafter=oracle)
+    assert torch.equal(out.sequences, ref) and out.sequences[0, -1].item() == eos
+    assert out.stats.new_tokens == pos + 1
+    for budget in range(1, 14):
+        ref = target.generate(prompt[None], max_new_tokens=budget, do_sample=False)
+        out = gen.generate(prompt, max_new_tokens=budget, drafter=OracleDrafter(full, depth=5))
+        assert torch.equal(out.sequences, ref), budget
+        assert out.stats.new_tokens == budget
+    assert gen.generate(prompt, max_new_tokens=50, max_length=12).sequences.shape[1] == 12
+
+
+def exact_first_three(target, prompt: torch.Tensor, cfg: SamplingConfig) -> dict[tuple, float]:
+    vocab = target.config.vocab_size
+    probs: dict[tuple, float] = {}
+    with torch.no_grad():
+        p1 = warp(target(prompt[None]).logits[0, -1], cfg)
+        for a in range(vocab):
+            if p1[a] == 0:
+                continue
+            seq_a = torch.cat((prompt, torch.tensor([a])))
+            p2 = warp(target(seq_a[None]).logits[0, -1], cfg)
+            for b in range(vocab):
+                if p2[b] == 0:
+                    continue
+                p3 = warp(target(torch.cat((seq_a, torch.tensor([b])))[None]).logits[0, -1], cfg)
+                for c in range(vocab):
+                    probs[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    return probs
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (1.0, 0.9)])
+def test_sampling_matches_the_target_distribution(temperature, top_p):
+    target = tiny_model("llama", vocab_size=5, hidden=16, layers=1, seed=11)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.25)  # a spread-out distribution
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target, "eagle"), depth=3, top_k=3, total_tokens=8)
+    prompt = torch.tensor([1, 3, 0])
+    cfg = SamplingConfig(temperature=temperature, top_p=top_p)
+    exact = exact_first_three(target, prompt, cfg)
+    runs = 10_000
+    counts: dict[tuple, int] = {}
+    accepted_drafts = 0
+    for seed in range(runs):
+        out = gen.generate(prompt, max_new_tokens=3, temperature=temperature, top_p=top_p, seed=seed)
+        key = tuple(out.sequences[0, 3:].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        accepted_drafts += out.stats.cycles < 2
+    assert sum(counts.values()) == runs
+    assert all(exact.get(k, 0) > 0 for k in counts), "sampled a sequence the target cannot produce"
+    cells = sorted(exact, key=exact.get, reverse=True)
+    observed, expected, rest_o, rest_e = [], [], 0, 0.0
+    for cell in cells:
+        e = exact[cell] * runs
+        if e >= 5:
+            observed.append(counts.get(cell, 0))
+            expected.append(e)
+        else:
+            rest_o += counts.get(cell, 0)
+            rest_e += e
+    if rest_e > 0:
+        observed.append(rest_o)
+        expected.append(rest_e)
+    total = sum(expected)
+    expected = [e * runs / total for e in expected]
+    assert chisquare(observed, expected).pvalue > 0.001
+    assert accepted_drafts > runs // 10  # drafted tokens were really accepted, not only bonus tokens
+
+
+def test_generation_is_reproducible_with_a_seed():
+    target = tiny_model("qwen2", vocab_size=50)
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=3, top_k=4, total_tokens=10)
+    a = gen.generate([1, 2, 3], max_new_tokens=20, temperature=0.8, top_k=10, seed=7)
+    b = gen.generate([1, 2, 3], max_new_tokens=20, temperature=0.8, top_k=10, seed=7)
+    assert torch.equal(a.sequences, b.sequences)
+
+
+def test_stream_and_streamers(smol_generator, capsys):
+    smol_generator.depth, smol_generator.top_k, smol_generator.total_tokens = 4, 4, 12
+    messages = [{"role": "user", "content": "Say hello."}]
+    result = smol_generator.chat(messages, max_new_tokens=12)
+    pieces = list(smol_generator.stream(messages, max_new_tokens=12))
+    assert len(pieces) > 1 and "".join(pieces) == result.text
+    smol_generator.generate(messages, max_new_tokens=12,
+                            streamer=TextStreamer(smol_generator.tokenizer, skip_prompt=True))
+    assert result.text.strip()[:10] in capsys.readouterr().out
+    stats = result.stats
+    assert stats.new_tokens == sum(k * v for k, v in stats.accepted_hist.items()) + 1  # +1: the prefill's token
+    assert stats.tau == stats.new_tokens / stats.cycles
+    assert stats.wall_s > 0 and stats.verify_s > 0 and stats.draft_s > 0
+
+
+def test_bad_input_raises_value_errors_naming_the_fix():
+    target = tiny_model("llama", vocab_size=50)
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target))
+    cases = [
+        (dict(inputs=[]), "prompt is empty"),
+        (dict(inputs=[1, 2, 3], max_length=3), "raise max_length"),
+        (dict(inputs=[1], max_new_tokens=0), "max_new_tokens must be a positive integer"),
+        (dict(inputs=[1], temperature=-1.0), "temperature must be >= 0"),
+        (dict(inputs=[1], temperature=1.0, top_p=0.0), "top_p must be in"),
+        (dict(inputs=[1], temperature=1.0, top_p=1.5), "top_p must be in"),
+        (dict(inputs=[1], temperature=1.0, top_k=-2), "top_k must be >= 0"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            gen.generate(**kwargs)
+    other = tiny_model("llama", vocab_size=70)
+    with pytest.raises(ValueError, match="use a head trained for this target"):
+        SpecGenerator(other, NoTokenizer(), untrained_head(target))
+    with pytest.raises(ValueError, match="depth must be a positive integer"):
+        SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=0)
