@@ -9,8 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config
-from transformers import Qwen2ForCausalLM
+from transformers import (
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 ROOT = Path(__file__).resolve().parent.parent

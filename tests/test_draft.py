@@ -126,8 +126,8 @@ def official_forward(w: dict, arch: str, e, f, nh, nkv, eps, theta):
     attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(t, hid)
     r = h + F.linear(attn, w["layers.0.self_attn.o_proj.weight"])
     x = rms(r, w["layers.0.post_attention_layernorm.weight"], eps)
-    mlp = F.linear(F.silu(F.linear(x, w["layers.0.mlp.gate_proj.weight"])) * F.linear(x, w["layers.0.mlp.up_proj.weight"]),
-                   w["layers.0.mlp.down_proj.weight"])
+    gate, up = F.linear(x, w["layers.0.mlp.gate_proj.weight"]), F.linear(x, w["layers.0.mlp.up_proj.weight"])
+    mlp = F.linear(F.silu(gate) * up, w["layers.0.mlp.down_proj.weight"])
     out = (torch.cat((r, r), -1) if arch == "griffin" else r) + mlp
     return out[:, :hid] if arch == "griffin" else out
 

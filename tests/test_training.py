@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from griffin import DraftConfig, DraftModel
 from tests.conftest import ROOT, run_module, tiny_model
 from tests.test_features import conversations, write_data
-from training.objective import Batch, MultiPassObjective, make_batch, next_masks, version_mixed_mask
+from training.objective import MultiPassObjective, make_batch, next_masks, version_mixed_mask
 from training.store import Conversation
 
 

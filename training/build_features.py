@@ -205,7 +205,7 @@ def build_shards(args, out: Path, state, tokenizer, decoder, storage_dtype, devi
     if args.max_samples is not None:
         records = islice(records, args.max_samples)
     progress = Progress(args.max_samples, disable=not state.is_main_process)
-    for stale in out.glob(f".shard-*.tmp"):  # left by a killed run; never visible as shards
+    for stale in out.glob(".shard-*.tmp"):  # left by a killed run; never visible as shards
         if int(stale.name.split("-")[1].split(".")[0]) % state.num_processes == state.process_index:
             stale.unlink(missing_ok=True)
     written = 0
