@@ -90,15 +90,17 @@ class SpecGenerator:
         self.lm_head = target.get_output_embeddings()
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.num_layers = target.config.get_text_config().num_hidden_layers
+        self.draft_path: Path | None = None  # the folder the head was loaded from, if any
 
     @classmethod
     def from_pretrained(cls, target: str | os.PathLike | PreTrainedModel = EMBEDDED_TARGET,
                         draft: str | os.PathLike | DraftModel | None = None, *, depth: int = 5, top_k: int = 8,
-                        total_tokens: int = 24, dtype: str | torch.dtype | None = None,
+                        total_tokens: int | str = 24, dtype: str | torch.dtype | None = None,
                         device: str | torch.device | None = None, draft_dtype: str | torch.dtype | None = None,
                         tokenizer: PreTrainedTokenizerBase | None = None) -> SpecGenerator:
         """``target``: a name (``smollm2-135m-instruct``), a local HF folder or a loaded model; ``draft``: a head
-        folder, a :class:`DraftModel`, or None for the head shipped for the target."""
+        folder, a :class:`DraftModel`, or None for the head shipped for the target. ``total_tokens="auto"`` picks the
+        tree size and depth that maximise the expected speedup on this machine (measured once, then cached)."""
         if isinstance(target, PreTrainedModel):
             model = target.eval()
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(model.config._name_or_path)
@@ -109,10 +111,18 @@ class SpecGenerator:
             target_name = str(target)
         if draft is None:
             draft = default_head(target_name)
+        draft_path = None
         if not isinstance(draft, DraftModel):
-            draft = DraftModel.from_pretrained(draft)
-        return cls(model, tokenizer, draft, depth=depth, top_k=top_k, total_tokens=total_tokens,
-                   draft_dtype=resolve_dtype(draft_dtype))
+            draft_path = Path(draft)
+            draft = DraftModel.from_pretrained(draft_path)
+        gen = cls(model, tokenizer, draft, depth=depth, top_k=top_k, total_tokens=1 if total_tokens == "auto" else
+                  total_tokens, draft_dtype=resolve_dtype(draft_dtype))
+        gen.draft_path = draft_path
+        if total_tokens == "auto":
+            from .autotune import autotune
+
+            gen.depth, gen.top_k, gen.total_tokens = autotune(gen)
+        return gen
 
     # --- inputs --------------------------------------------------------------------------------------------------
 
@@ -162,8 +172,12 @@ class SpecGenerator:
 
     @torch.inference_mode()
     def _steps(self, ids: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig, eos: torch.Tensor,
-               generator: torch.Generator | None, stats: GenerationStats, drafter=None) -> Iterator[torch.Tensor]:
-        """Yield the new tokens of each cycle ([n] LongTensor) until EOS or the token budget."""
+               generator: torch.Generator | None, stats: GenerationStats, drafter=None,
+               trace: list | None = None) -> Iterator[torch.Tensor]:
+        """Yield the new tokens of each cycle ([n] LongTensor) until EOS or the token budget.
+
+        ``trace``, if given, receives ``(tree, path)`` of every cycle (used to tune the tree size).
+        """
         clock = _Clock(self.device)
         p = ids.shape[0]
         drafter = drafter or self.make_drafter(p + max_new_tokens)
@@ -193,6 +207,8 @@ class SpecGenerator:
                 path, bonus = accept_sampling(tree, logits, sampling, generator)
             emitted = torch.cat((tree.tokens[path[1:]], bonus))
             cache.keep(n, n + path)
+            if trace is not None:
+                trace.append((tree, path))
             stats.cycles += 1
             stats.accepted_hist[len(emitted)] = stats.accepted_hist.get(len(emitted), 0) + 1
             remaining = max_new_tokens - stats.new_tokens

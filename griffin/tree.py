@@ -24,6 +24,12 @@ class Tree:
     ancestors: torch.Tensor  # [N+1, N+1] bool, ancestors[i, j]: j is i or an ancestor of i
     draft_order: torch.Tensor  # [N+1] nodes by descending draft score (root first)
 
+    def ranks(self) -> torch.Tensor:
+        """[N+1] each node's position in ``draft_order`` (the root is 0)."""
+        rank = torch.empty_like(self.draft_order)
+        rank[self.draft_order] = torch.arange(self.size, device=rank.device)
+        return rank
+
     @property
     def size(self) -> int:
         return self.tokens.shape[0]

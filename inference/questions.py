@@ -1,0 +1,18 @@
+"""The evaluation question sets (vendored under ``inference/data``; never used for training)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent / "data"
+BENCHES = ("mt_bench", "humaneval", "gsm8k")
+
+
+def load_questions(bench: str, limit: int | None = None) -> list[dict]:
+    """Questions of a bench: ``question_id``, ``category``, ``turns`` (user turns)."""
+    if bench not in BENCHES:
+        raise ValueError(f"unknown bench {bench!r}: choose from {', '.join(BENCHES)} or all")
+    lines = (DATA / bench / "question.jsonl").read_text().splitlines()
+    questions = [json.loads(line) for line in lines if line.strip()]
+    return questions[:limit] if limit else questions

@@ -1,0 +1,48 @@
+"""Benchmark bookkeeping: machine description, the command line, and markdown tables."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import sys
+from datetime import datetime, timezone
+
+
+def machine_info() -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    return info
+
+
+def command_line(module: str) -> str:
+    return f"python -m {module} " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    def cell(value) -> str:
+        if isinstance(value, float):
+            return f"{value:.2f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"

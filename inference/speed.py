@@ -1,0 +1,264 @@
+"""Speed runs on MT-Bench, HumanEval and GSM8K: acceptance length and speedup, measured side by side.
+
+    python -m inference.speed --bench mt_bench --max-new-tokens 128 --temperature 0
+    python -m inference.speed --bench all --draft checkpoints/smollm2-135m-instruct-eagle --methods ours
+
+For every question (chat-templated; MT-Bench's second turn too, after the baseline's first answer), in one process
+after a warm-up, each method generates in turn: transformers' ``generate`` (the baseline), our speculative generator,
+our own plain decoding loop, and transformers' prompt lookup decoding. Speedups are ratios of summed wall times from
+the same run. Results: ``benchmarks/results/<bench>-<draft>-T<temp>.json``, a markdown table beside it, and the
+answers in FastChat's JSONL format under ``benchmarks/results/answers/``. An interrupted run resumes (per-question
+records are kept in a ``.partial.jsonl`` file until the run completes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from griffin import SpecGenerator
+from griffin.chat import prompt_ids
+from griffin.io import atomic_write_json, atomic_write_text
+from griffin.plain import plain_generate
+from griffin.sampling import SamplingConfig
+from griffin.target import EMBEDDED_TARGET, load_target
+from training.cli import run_cli
+
+from .questions import BENCHES, load_questions
+from .report import command_line, machine_info, markdown_table
+
+METHODS = ("baseline", "ours", "own_loop", "prompt_lookup")
+RESULTS = Path("benchmarks/results")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m inference.speed", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bench", default="mt_bench", choices=[*BENCHES, "all"])
+    p.add_argument("--target", default=EMBEDDED_TARGET)
+    p.add_argument("--draft", default=None, help="head folder (default: the head shipped for the target)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--limit", type=int, default=None, help="only the first n questions")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="target dtype")
+    p.add_argument("--draft-dtype", default=None, choices=["fp32", "bf16"], help="draft head dtype")
+    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--total-tokens", default=None, help="tree size, or 'auto' (tuned for this machine and head)")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated subset of {','.join(METHODS)} (ours is required)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--tag", default=None, help="name of the draft in file names (default: the head folder's name)")
+    args = p.parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    if "ours" not in methods or any(m not in METHODS for m in methods):
+        p.error(f"--methods must include ours and only name {', '.join(METHODS)}")
+    args.methods = methods
+    if args.max_new_tokens < 1:
+        p.error("--max-new-tokens must be at least 1")
+    if args.temperature < 0:
+        p.error("--temperature must be >= 0")
+    return args
+
+
+class Runner:
+    """Runs every method on one prompt and records tokens and wall time."""
+
+    def __init__(self, gen: SpecGenerator, args: argparse.Namespace):
+        self.gen, self.args = gen, args
+        self.model, self.tok = gen.target, gen.tokenizer
+        self.sampling = SamplingConfig(args.temperature)
+        self.eos = gen.eos_ids(None)
+
+    def hf_kwargs(self) -> dict:
+        sample = self.args.temperature > 0
+        return dict(max_new_tokens=self.args.max_new_tokens, do_sample=sample,
+                    temperature=self.args.temperature if sample else None, top_p=None, top_k=None,
+                    eos_token_id=self.eos.tolist(), pad_token_id=self.tok.pad_token_id)
+
+    def run(self, method: str, ids: torch.Tensor, seed: int) -> dict:
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        record: dict = {}
+        with torch.inference_mode():
+            if method == "baseline":
+                new = self.model.generate(ids[None], **self.hf_kwargs())[0, ids.shape[0]:]
+            elif method == "prompt_lookup":
+                new = self.model.generate(ids[None], prompt_lookup_num_tokens=10, **self.hf_kwargs())[0, ids.shape[0]:]
+            elif method == "own_loop":
+                gen = torch.Generator().manual_seed(seed)
+                new = plain_generate(self.model, ids, self.args.max_new_tokens, self.sampling, self.eos, gen)
+            else:
+                out = self.gen.generate(ids, max_new_tokens=self.args.max_new_tokens,
+                                        temperature=self.args.temperature, seed=seed)
+                new = out.sequences[0, ids.shape[0]:]
+                record["stats"] = out.stats.as_dict()
+        record.update(seconds=time.perf_counter() - t0, tokens=new.tolist())
+        return record
+
+
+def question_records(runner: Runner, question: dict, bench: str, seed: int) -> list[dict]:
+    """All turns of one question; later turns see the baseline's earlier answers."""
+    messages: list[dict] = []
+    records = []
+    for turn, text in enumerate(question["turns"]):
+        messages.append({"role": "user", "content": text})
+        ids = torch.tensor(prompt_ids(runner.tok, messages), device=runner.gen.device)
+        record = {"question_id": question["question_id"], "turn": turn, "prompt_tokens": ids.shape[0]}
+        for method in runner.args.methods:
+            record[method] = runner.run(method, ids, seed + 1000 * turn)
+        reference = record.get("baseline", record["ours"])["tokens"]
+        messages.append({"role": "assistant", "content": runner.tok.decode(reference, skip_special_tokens=True)})
+        records.append(record)
+    return records
+
+
+def summarise(records: list[dict], args: argparse.Namespace, bench: str, gen: SpecGenerator, tag: str) -> dict:
+    def total(method: str, key: str) -> float:
+        return sum(r[method][key] if key == "seconds" else len(r[method]["tokens"]) for r in records)
+
+    seconds = {m: total(m, "seconds") for m in args.methods}
+    tokens = {m: total(m, "tokens") for m in args.methods}
+    cycles = sum(r["ours"]["stats"]["cycles"] for r in records)
+    hist: dict[str, int] = {}
+    split = {"draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0, "prefill_s": 0.0}
+    for r in records:
+        for k, v in r["ours"]["stats"]["accepted_hist"].items():
+            hist[str(k)] = hist.get(str(k), 0) + v
+        for k in split:
+            split[k] += r["ours"]["stats"][k]
+    result = {
+        "bench": bench, "target": args.target, "draft": tag, "temperature": args.temperature,
+        "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
+        "draft_dtype": str(gen.draft.fusion.fc.weight.dtype).removeprefix("torch."),
+        "tree": {"depth": gen.depth, "top_k": gen.top_k, "total_tokens": gen.total_tokens},
+        "n_questions": len({r["question_id"] for r in records}), "n_prompts": len(records),
+        "tau": tokens["ours"] / cycles if cycles else None,  # new tokens per verification pass
+        "tokens_per_s": tokens["ours"] / seconds["ours"],
+        "accepted_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+        "time_split": {k: v / seconds["ours"] for k, v in split.items()},
+    }
+    if "baseline" in args.methods:
+        result["speedup"] = seconds["baseline"] / seconds["ours"]
+        result["baseline_tokens_per_s"] = tokens["baseline"] / seconds["baseline"]
+        if args.temperature == 0:
+            same = [r["ours"]["tokens"] == r["baseline"]["tokens"] for r in records]
+            result["identical_fraction"] = sum(same) / len(same)
+    if "own_loop" in args.methods:
+        result["speedup_vs_own_loop"] = seconds["own_loop"] / seconds["ours"]
+        result["own_loop_tokens_per_s"] = tokens["own_loop"] / seconds["own_loop"]
+    if "prompt_lookup" in args.methods and "baseline" in args.methods:
+        result["peers"] = {"prompt_lookup": seconds["baseline"] / seconds["prompt_lookup"]}
+        result["prompt_lookup_tokens_per_s"] = tokens["prompt_lookup"] / seconds["prompt_lookup"]
+    result["seconds"] = seconds
+    result["machine"] = machine_info()
+    result["command"] = command_line("inference.speed")
+    return result
+
+
+def table(result: dict) -> str:
+    rows = [["acceptance length τ (tokens / target pass)", result["tau"]],
+            ["griffin tokens/s", result["tokens_per_s"]]]
+    if "speedup" in result:
+        rows += [["transformers generate tokens/s", result["baseline_tokens_per_s"]],
+                 ["speedup vs transformers generate", result["speedup"]]]
+    if "speedup_vs_own_loop" in result:
+        rows.append(["speedup vs our plain loop", result["speedup_vs_own_loop"]])
+    if "peers" in result:
+        rows.append(["prompt lookup speedup vs transformers generate", result["peers"]["prompt_lookup"]])
+    if "identical_fraction" in result:
+        rows.append(["identical outputs (fraction of prompts)", result["identical_fraction"]])
+    head = (f"# {result['bench']} · draft {result['draft']} · T={result['temperature']}\n\n"
+            f"{result['n_questions']} questions, {result['n_prompts']} prompts, up to {result['max_new_tokens']} new "
+            f"tokens, target {result['target']} ({result['dtype']}), tree {result['tree']}.\n\n")
+    foot = f"\nCommand: `{result['command']}`\n\nMachine: {result['machine']['cpu']}, {result['machine']['cores']} " \
+           f"cores, torch {result['machine']['torch']}, {result['machine']['date']}.\n"
+    return head + markdown_table(["metric", "value"], rows) + foot
+
+
+def answers_jsonl(records: list[dict], questions: list[dict], tok, model_id: str) -> str:
+    by_q: dict = {}
+    for r in records:
+        by_q.setdefault(r["question_id"], []).append(tok.decode(r["ours"]["tokens"], skip_special_tokens=True))
+    lines = [json.dumps({"question_id": q["question_id"], "answer_id": uuid.uuid4().hex, "model_id": model_id,
+                         "choices": [{"index": 0, "turns": by_q[q["question_id"]]}], "tstamp": time.time()})
+             for q in questions if q["question_id"] in by_q]
+    return "\n".join(lines) + "\n"
+
+
+def load_partial(path: Path, settings: dict) -> list[dict]:
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    if not lines or json.loads(lines[0]) != settings:
+        path.unlink()
+        return []
+    records = []
+    for line in lines[1:]:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a kill
+            break
+    return records
+
+
+def run_bench(bench: str, gen: SpecGenerator, runner: Runner, args: argparse.Namespace, tag: str) -> dict:
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{bench}-{tag}-T{args.temperature:g}"
+    questions = load_questions(bench, args.limit)
+    settings = {k: v for k, v in vars(args).items() if k not in ("bench", "out_dir")} | {"bench": bench}
+    partial = out_dir / f".{stem}.partial.jsonl"
+    records = load_partial(partial, json.loads(json.dumps(settings)))
+    done = {r["question_id"] for r in records}
+    if not records:
+        partial.write_text(json.dumps(settings) + "\n")
+    with open(partial, "a") as handle:
+        for question in tqdm(questions, desc=bench, unit="q", initial=len(done), dynamic_ncols=True):
+            if question["question_id"] in done:
+                continue
+            new = question_records(runner, question, bench, args.seed + int(question["question_id"]))
+            handle.write("".join(json.dumps(r) + "\n" for r in new))
+            handle.flush()
+            records += new
+    result = summarise(records, args, bench, gen, tag)
+    atomic_write_json(out_dir / f"{stem}.json", {**result, "per_prompt": [
+        {"question_id": r["question_id"], "turn": r["turn"], "prompt_tokens": r["prompt_tokens"],
+         **{m: {"seconds": r[m]["seconds"], "new_tokens": len(r[m]["tokens"])} for m in args.methods},
+         "tau": r["ours"]["stats"]["tau"]} for r in records]})
+    atomic_write_text(out_dir / f"{stem}.md", table(result))
+    atomic_write_text(out_dir / "answers" / f"{stem}.jsonl",
+                      answers_jsonl(records, questions, gen.tokenizer, f"{args.target}-{tag}"))
+    partial.unlink()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model, tokenizer = load_target(args.target, dtype=args.dtype)
+    kwargs = {k: getattr(args, k) for k in ("depth", "top_k") if getattr(args, k) is not None}
+    if args.total_tokens is not None:
+        kwargs["total_tokens"] = args.total_tokens if args.total_tokens == "auto" else int(args.total_tokens)
+    gen = SpecGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer, draft_dtype=args.draft_dtype,
+                                        **kwargs)
+    tag = args.tag or Path(gen.draft_path or "head").name
+    runner = Runner(gen, args)
+    warm = torch.tensor(prompt_ids(tokenizer, [{"role": "user", "content": "Hello! Who are you?"}]))
+    for method in args.methods:
+        runner.run(method, warm, 0)
+    for bench in BENCHES if args.bench == "all" else [args.bench]:
+        result = run_bench(bench, gen, runner, args, tag)
+        print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
