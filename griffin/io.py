@@ -18,6 +18,9 @@ def atomic_path(dest: str | os.PathLike):
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
     try:
         yield Path(tmp)
         with open(tmp, "rb") as handle:

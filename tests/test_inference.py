@@ -1,0 +1,79 @@
+"""Tree auto-tuning and the speed-run command."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from griffin import DraftConfig, DraftModel, SpecGenerator
+from griffin.autotune import expected_tau
+from griffin.tree import build_tree
+from tests.conftest import run_module, tiny_model
+
+
+def chain_tree(length: int):
+    """A root, a chain of `length` nodes with falling scores, and a depth-1 sibling ranked second."""
+    # candidates in level order: chain node 1, the sibling, chain nodes 2..length
+    tokens = torch.arange(length + 1)
+    scores = torch.tensor([-0.1, -0.15] + [-0.1 * (i + 1) for i in range(1, length)])
+    parents = torch.tensor([-1, -1, 0] + list(range(2, length)))
+    levels = torch.tensor([1, 1] + list(range(2, length + 1)))
+    return build_tree(torch.tensor([99]), tokens, scores, parents, levels, total_tokens=length + 1)
+
+
+def test_expected_tau_counts_the_path_inside_smaller_trees():
+    tree = chain_tree(4)  # node ids: 1 (depth 1), 2 (sibling, depth 1), 3, 4, 5
+    assert tree.depths.tolist() == [0, 1, 1, 2, 3, 4]
+    path = torch.tensor([0, 1, 3, 4])  # the target accepted three chain nodes
+    trace = [(tree, path)]
+    assert expected_tau(trace, total=5, depth=8) == 4  # 3 accepted + the bonus token
+    assert expected_tau(trace, total=5, depth=2) == 3  # depth 2 cuts after two nodes
+    assert expected_tau(trace, total=2, depth=8) == 2  # the 2 best nodes: chain node 1 and the sibling
+    assert expected_tau(trace, total=3, depth=8) == 3
+
+
+def test_auto_tree_size_is_measured_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRIFFIN_CACHE", str(tmp_path))
+    target = tiny_model("llama", vocab_size=64)
+    torch.manual_seed(0)
+    head = DraftModel(DraftConfig.from_target(target.config))
+
+    class Tok:
+        eos_token_id = None
+        chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+            return messages[-1]["content"]
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) % 64 for c in text]}
+
+    gen = SpecGenerator.from_pretrained(target, head, tokenizer=Tok(), total_tokens="auto")
+    files = list((tmp_path / "autotune").glob("*.json"))
+    assert len(files) == 1
+    choice = json.loads(files[0].read_text())
+    assert (gen.depth, gen.total_tokens) == (choice["depth"], choice["total_tokens"])
+    assert 1 <= gen.depth <= 8 and 2 <= gen.total_tokens <= 64
+    assert choice["forward_cost_s"]["1"] > 0
+    again = SpecGenerator.from_pretrained(target, head, tokenizer=Tok(), total_tokens="auto")
+    assert (again.depth, again.total_tokens) == (gen.depth, gen.total_tokens)
+
+
+def test_speed_run_writes_results(tmp_path, embedded):
+    model, _ = embedded
+    torch.manual_seed(0)
+    DraftModel(DraftConfig.from_target(model.config, draft_vocab_size=4096)).save_pretrained(tmp_path / "head")
+    res = run_module("inference.speed", "--bench", "gsm8k", "--draft", str(tmp_path / "head"), "--limit", "1",
+                     "--max-new-tokens", "8", "--out-dir", str(tmp_path / "results"))
+    assert res.returncode == 0, res.stderr
+    result = json.loads((tmp_path / "results" / "gsm8k-head-T0.json").read_text())
+    for key in ("bench", "target", "draft", "temperature", "max_new_tokens", "n_prompts", "tau", "speedup",
+                "speedup_vs_own_loop", "tokens_per_s", "baseline_tokens_per_s", "identical_fraction", "peers",
+                "machine", "command"):
+        assert key in result, key
+    assert result["identical_fraction"] == 1.0 and result["n_prompts"] == 1
+    assert (tmp_path / "results" / "gsm8k-head-T0.md").read_text().startswith("# gsm8k")
+    answer = json.loads((tmp_path / "results" / "answers" / "gsm8k-head-T0.jsonl").read_text())
+    assert answer["question_id"] == 0 and len(answer["choices"][0]["turns"]) == 1
+    assert not list((tmp_path / "results").glob(".*partial*"))

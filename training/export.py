@@ -1,0 +1,101 @@
+"""Export a trained head for shipping: fp16 weights, its validation report and a model card.
+
+    python -m training.export heads/griffin checkpoints/smollm2-135m-instruct-griffin --name GRIFFIN
+
+The card is rebuilt from the files alone: the training run (``validation.json``), and every speed run of this head
+found under ``benchmarks/results`` (files named ``<bench>-<head folder name>-T<temp>.json``). Rerun after new speed
+runs to refresh it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from griffin.draft import DraftModel
+from griffin.io import atomic_write, atomic_write_json, atomic_write_text
+from inference.report import markdown_table
+
+from .cli import run_cli
+from .train import VALIDATION
+
+STAGES = "stages.json"  # the validation reports of every stage of a progressive run
+
+
+def card(name: str, dst: Path, head: DraftModel, report: dict, results: list[dict], stages: list[dict]) -> str:
+    cfg = head.config
+    run = report["run"]
+    lines = [
+        f"# {name} draft head for {cfg.target.get('name') or 'its target'}",
+        "",
+        f"Architecture `{cfg.arch}` ({head.num_parameters() / 1e6:.2f} M parameters; the target's embedding and "
+        f"lm_head are shared at run time), draft vocabulary {cfg.draft_vocab_size or cfg.vocab_size} tokens, "
+        f"weights in fp16.",
+        "",
+        "## Training",
+        "",
+    ]
+    rows = []
+    for stage in stages or [report]:
+        r = stage["run"]
+        last = stage["epochs"][-1]
+        rows.append([r["steps"], r["topk"], f"{r['lr']:g}", r["total_updates"], r["global_batch"], last["tokens"],
+                     f"{last['train_seconds'] / 3600:.2f}", r["mixed_precision"]])
+    lines.append(markdown_table(["K (passes)", "top-k mask", "lr", "updates", "batch", "tokens seen", "hours",
+                                 "autocast"], rows))
+    lines += [f"Data: `{run['features']}` ({run['train_conversations']} training and {run['val_conversations']} "
+              "held-out conversations, features of the target itself; see the project README for how they were "
+              "built). Optimiser AdamW (0.9, 0.95), cosine schedule with warm-up, gradient clipping 0.5, feature "
+              f"noise {run['noise']}.", "", "## Validation (held-out conversations, last epoch)", ""]
+    passes = report["epochs"][-1]["passes"]
+    topk_key = next(k for k in passes[0] if k.startswith("top") and k != "top1")
+    lines.append(markdown_table(["pass", "top-1", topk_key, "kept", "loss"],
+                                [[p["pass"], p["top1"], p[topk_key], p["kept"], p["loss"]] for p in passes]))
+    lines += ["`kept`: fraction of positions still in the loss at that pass (the alignment mask).", ""]
+    if results:
+        lines += ["## Measured acceptance length and speed", ""]
+        rows = [[r["bench"], r["temperature"], r["n_prompts"], r["max_new_tokens"], r["tau"],
+                 r.get("speedup", "-"), r.get("identical_fraction", "-"), r["machine"]["date"]] for r in results]
+        lines.append(markdown_table(["bench", "T", "prompts", "max new", "τ", "speedup vs HF generate",
+                                     "identical", "measured"], rows))
+        lines += ["Commands:", ""] + [f"- `{r['command']}`" for r in results] + [""]
+    lines += ["## Use", "", "```python", "from griffin import SpecGenerator",
+              f'gen = SpecGenerator.from_pretrained("{cfg.target.get("name")}", "{dst.as_posix()}")', "```", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", help="trained head folder (output of training.train)")
+    p.add_argument("dst", help="destination folder, e.g. checkpoints/<target>-<method>")
+    p.add_argument("--name", default=None, help="the method's name in the card")
+    p.add_argument("--results", default="benchmarks/results", help="folder of speed-run results")
+    args = p.parse_args(argv)
+    src, dst = Path(args.src), Path(args.dst)
+    head = DraftModel.from_pretrained(src)
+    report = json.loads((src / VALIDATION).read_text())
+    stages = [json.loads((stage / VALIDATION).read_text()) for stage in sorted(src.glob("stage-*"))
+              if (stage / VALIDATION).is_file()]
+    if not stages and (src / STAGES).is_file():
+        stages = json.loads((src / STAGES).read_text())
+    if src.resolve() != dst.resolve():
+        head.save_pretrained(dst, dtype=torch.float16)
+        atomic_write(dst / VALIDATION, lambda path: shutil.copyfile(src / VALIDATION, path))
+        if stages:
+            atomic_write_json(dst / STAGES, stages)
+    results = sorted((json.loads(f.read_text()) for f in Path(args.results).glob(f"*-{dst.name}-T*.json")),
+                     key=lambda r: (r["bench"], r["temperature"]))
+    text = card(args.name or head.config.arch, dst, head, report, results, stages)
+    atomic_write_text(dst / "README.md", text)
+    print(f"exported {src} -> {dst} ({len(results)} speed runs in the card)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
