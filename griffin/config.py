@@ -20,7 +20,8 @@ class DraftConfig:
 
     ``intermediate_size`` is the decoder layer's MLP width; ``tgf_intermediate_size`` the width of Token-Guided
     Fusion's expansion (GRIFFIN only). ``draft_vocab_size`` > 0 restricts the head's logits to that many target tokens
-    (ids stored with the weights), which makes drafting cheaper without affecting losslessness.
+    (ids stored with the weights), which makes drafting cheaper without affecting losslessness; ``context_vocab``
+    adds the tokens of the current context to that set (the head is trained that way too).
     """
 
     hidden_size: int
@@ -37,6 +38,7 @@ class DraftConfig:
     attention_bias: bool = False
     fc_bias: bool = True
     draft_vocab_size: int = 0
+    context_vocab: bool = True  # with a reduced vocabulary, context tokens become proposable too (griffin.vocab)
     num_hidden_layers: int = 1
     target: dict[str, Any] = field(default_factory=dict)
     model_type: str = "griffin_draft"

@@ -160,23 +160,8 @@ class DraftModel(nn.Module):
         if expected and expected != target_fingerprint(tcfg):
             log.warning("draft head was trained for target %s with another architecture fingerprint; acceptance may "
                         "be poor (outputs stay exact)", cfg.target.get("name"))
-        lm_head = target.get_output_embeddings()
-        self._shared = {"embed": target.get_input_embeddings(), "lm_head": lm_head}
-        self.refresh_lm_weight()
+        self._shared = {"embed": target.get_input_embeddings(), "lm_head": target.get_output_embeddings()}
         return self
-
-    def refresh_lm_weight(self, dtype: torch.dtype | None = None) -> None:
-        """Cache the lm_head rows of the draft vocabulary (in ``dtype``, default the head's own dtype)."""
-        lm_head = self._shared["lm_head"]
-        weight = lm_head.weight.detach()
-        bias = lm_head.bias.detach() if getattr(lm_head, "bias", None) is not None else None
-        if self.draft_vocab is not None:
-            ids = self.draft_vocab.to(weight.device)
-            weight = weight[ids]
-            bias = bias[ids] if bias is not None else None
-        dtype = dtype or self.fusion.fc.weight.dtype
-        self._shared["lm_weight"] = weight.to(dtype)
-        self._shared["lm_bias"] = bias.to(dtype) if bias is not None else None
 
     @property
     def attached(self) -> bool:
@@ -187,12 +172,20 @@ class DraftModel(nn.Module):
             raise RuntimeError("attach the draft head to its target first: draft.attach(target_model)")
         return self._shared["embed"](input_ids).to(self.fusion.fc.weight.dtype)
 
-    def logits(self, predict: torch.Tensor) -> torch.Tensor:
-        """predict [.., H] -> logits over the draft vocabulary [.., V]."""
-        return F.linear(predict.to(self._shared["lm_weight"].dtype), self._shared["lm_weight"], self._shared["lm_bias"])
+    def lm_weight_full(self) -> torch.Tensor:
+        """The target's lm_head weight [V, H] (frozen, shared)."""
+        return self._shared["lm_head"].weight.detach()
 
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids if self.draft_vocab is None else self.draft_vocab[draft_ids]
+    def static_vocab(self) -> torch.Tensor:
+        """Target ids of the head's fixed draft vocabulary [V_d] (all ids for a full-vocabulary head)."""
+        if self.draft_vocab is not None:
+            return self.draft_vocab
+        return torch.arange(self.config.vocab_size, device=self.fusion.fc.weight.device)
+
+    def logits(self, predict: torch.Tensor) -> torch.Tensor:
+        """predict [.., H] -> logits over the static draft vocabulary [.., V_d] (drafting uses DraftVocab)."""
+        weight = self.lm_weight_full()[self.static_vocab().to(predict.device)]
+        return F.linear(predict, weight.to(predict.dtype))
 
     # --- forward -----------------------------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import torch
 from .draft import DraftModel, DraftOutput
 from .kv_cache import DraftCache
 from .tree import Tree, build_tree, draft_tree
+from .vocab import DraftVocab
 
 
 class HeadDrafter:
@@ -26,19 +27,23 @@ class HeadDrafter:
         cfg = draft.config
         self.cache = DraftCache(cfg.num_key_value_heads, cfg.head_dim, capacity + depth * top_k,
                                 draft.fusion.fc.weight.dtype, draft.fusion.fc.weight.device)
+        self.vocab = DraftVocab(draft)
         self.last: DraftOutput | None = None
 
     @torch.inference_mode()
     def start(self, ids: torch.Tensor, hidden: torch.Tensor, token: torch.Tensor) -> None:
         self.cache.length = 0
+        self.vocab.add(ids)
         self.accept(torch.cat((ids[1:], token)), hidden)
 
     def propose(self, token: torch.Tensor) -> Tree:
-        return draft_tree(self.draft, self.cache, token, self.last, self.depth, self.top_k, self.total_tokens)
+        return draft_tree(self.draft, self.vocab, self.cache, token, self.last, self.depth, self.top_k,
+                          self.total_tokens)
 
     @torch.inference_mode()
     def accept(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         # draft position t reads (feature F_t, token x_{t+1}); the cache holds every earlier position
+        self.vocab.add(tokens)
         start = self.cache.length
         positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
         self.last = self.draft(tokens[None], hidden[None], positions[None], cache=self.cache)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from .draft import DraftModel, DraftOutput
 from .kv_cache import DraftCache
+from .vocab import DraftVocab
 
 
 @dataclass
@@ -59,15 +60,15 @@ def build_tree(root: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, p
 
 
 @torch.inference_mode()
-def draft_tree(draft: DraftModel, cache: DraftCache, root: torch.Tensor, last: DraftOutput, depth: int, top_k: int,
-               total_tokens: int) -> Tree:
+def draft_tree(draft: DraftModel, vocab: DraftVocab, cache: DraftCache, root: torch.Tensor, last: DraftOutput,
+               depth: int, top_k: int, total_tokens: int) -> Tree:
     """Grow a tree below ``root`` from the head's output at the last context position (``last``: [1, 1, H]).
 
     The draft cache holds the context (positions 0..ctx-1); expanded nodes are appended to it and cropped at the end.
     """
     ctx = cache.length
     device = root.device
-    logp = F.log_softmax(draft.logits(last.predict[0, -1]).float(), dim=-1)  # [V]
+    logp = F.log_softmax(vocab.logits(last.predict[0, -1]).float(), dim=-1)  # [V]
     scores, ids = logp.topk(top_k)  # [k]
     all_ids, all_scores = [ids], [scores]
     all_parents = [torch.full((top_k,), -1, dtype=torch.long, device=device)]
@@ -79,8 +80,8 @@ def draft_tree(draft: DraftModel, cache: DraftCache, root: torch.Tensor, last: D
     for level in range(1, depth):
         position = torch.full((1, top_k), ctx + level - 1, dtype=torch.long, device=device)
         mask = torch.cat((torch.ones(top_k, ctx, dtype=torch.bool, device=device), ancestry), dim=1)[None, None]
-        out = draft(draft.to_target_ids(ids)[None], features, position, mask, cache=cache)
-        child_logp = F.log_softmax(draft.logits(out.predict[0]).float(), dim=-1)  # [k, V]
+        out = draft(vocab.to_target_ids(ids)[None], features, position, mask, cache=cache)
+        child_logp = F.log_softmax(vocab.logits(out.predict[0]).float(), dim=-1)  # [k, V]
         child_scores, child_ids = child_logp.topk(top_k, dim=-1)  # [k, k]
         flat = (scores[:, None] + child_scores).flatten()  # [k*k]
         all_ids.append(child_ids.flatten())
@@ -97,6 +98,6 @@ def draft_tree(draft: DraftModel, cache: DraftCache, root: torch.Tensor, last: D
         ancestry = torch.cat((ancestry[rows], torch.eye(top_k, dtype=torch.bool, device=device)), dim=1)
         offset += top_k * top_k
     cache.length = ctx
-    tokens = draft.to_target_ids(torch.cat(all_ids))
+    tokens = vocab.to_target_ids(torch.cat(all_ids))
     return build_tree(root, tokens, torch.cat(all_scores), torch.cat(all_parents), torch.cat(all_levels),
                       total_tokens)

@@ -213,3 +213,27 @@ def test_bad_input_raises_value_errors_naming_the_fix():
         SpecGenerator(other, NoTokenizer(), untrained_head(target))
     with pytest.raises(ValueError, match="depth must be a positive integer"):
         SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=0)
+
+
+def test_context_tokens_join_a_reduced_draft_vocabulary():
+    from griffin.vocab import DraftVocab
+
+    target = tiny_model("llama", vocab_size=96)
+    head = DraftModel(DraftConfig.from_target(target.config, draft_vocab_size=10)).attach(target)
+    vocab = DraftVocab(head, extra_capacity=4)
+    assert vocab.size == 10 and vocab.ids[:10].tolist() == list(range(10))
+    vocab.add(torch.tensor([3, 50, 50, 70, 80, 90, 91, 92]))  # grows past its preallocated capacity
+    assert vocab.size == 16 and sorted(vocab.ids[10:16].tolist()) == [50, 70, 80, 90, 91, 92]
+    torch.testing.assert_close(vocab.weight[10:16], target.lm_head.weight[vocab.ids[10:16]])
+    predict = torch.randn(2, 64)
+    torch.testing.assert_close(vocab.logits(predict), predict @ target.lm_head.weight[vocab.ids[:16]].T)
+    head.config.context_vocab = False
+    fixed = DraftVocab(head)
+    fixed.add(torch.tensor([50]))
+    assert fixed.size == 10
+    # generation stays exact whichever tokens the head may propose
+    head.config.context_vocab = True
+    gen = SpecGenerator(target, NoTokenizer(), head, depth=4, top_k=4, total_tokens=12)
+    prompt = torch.tensor([60, 61, 62, 61, 60])
+    ref = target.generate(prompt[None], max_new_tokens=20, do_sample=False)
+    assert torch.equal(gen.generate(prompt, max_new_tokens=20).sequences, ref)

@@ -224,3 +224,19 @@ def test_bad_training_input_gives_clear_errors(tmp_path, tiny_store, tiny_target
     data = write_data(tmp_path / "e.json", [{"id": "x", "conversations": []}])
     run_module("training.build_features", "--target", str(tiny_target_dir), "--data", data, "--out", str(empty))
     check("--features", str(empty), *out, message="holds no conversations")
+
+
+def test_context_vocabulary_in_the_objective():
+    target = tiny_model(vocab_size=60, hidden=32)
+    draft = DraftModel(DraftConfig.from_target(target.config, draft_vocab_size=4)).attach(target)
+    draft.draft_vocab.copy_(torch.tensor([0, 1, 2, 3]))
+    batch = make_batch(synthetic_items(target, 2, 12))
+    objective = MultiPassObjective(draft, steps=1, topk=50).eval()
+    static = objective(batch)
+    present = set(batch.next_tokens[batch.next_tokens >= 0].tolist())
+    assert not present & {0, 1, 2, 3} or static["topk"][0] < static["counts"][0]
+    vocab = torch.tensor(sorted({0, 1, 2, 3} | set(batch.tokens.flatten().tolist()) | present))
+    widened = objective(batch, vocab)
+    # with every batch token proposable and top-50 >= vocabulary size, every true next token is in the top-k
+    assert len(vocab) <= 50 and widened["topk"][0] == widened["counts"][0]
+    assert torch.isfinite(widened["loss_sums"]).all()

@@ -106,20 +106,21 @@ class MultiPassObjective(nn.Module):
         self.draft = draft
         self.steps, self.topk = steps, topk
         self.w_regress, self.w_token, self.noise = w_regress, w_token, noise
-        vocab = draft.config.vocab_size
-        to_draft = torch.full((vocab,), -1, dtype=torch.long)
-        ids = draft.draft_vocab if draft.draft_vocab is not None else torch.arange(vocab)
-        to_draft[ids.cpu()] = torch.arange(len(ids))
-        self.register_buffer("target_to_draft", to_draft, persistent=False)
 
-    def forward(self, batch: Batch, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    def forward(self, batch: Batch, vocab: torch.Tensor | None = None,
+                generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """``vocab``: target ids the head may propose for this batch (default: its static draft vocabulary)."""
         draft = self.draft
         b, t = batch.tokens.shape
-        position_ids = torch.arange(t, device=batch.tokens.device)[None].expand(b, t)
+        device = batch.tokens.device
+        position_ids = torch.arange(t, device=device)[None].expand(b, t)
+        vocab = draft.static_vocab().to(device) if vocab is None else vocab
+        weight = draft.lm_weight_full()[vocab]  # [V, H] frozen lm_head rows of the proposable tokens
         with torch.no_grad():
-            p = F.softmax(draft.logits(batch.targets).float(), dim=-1)  # [B, T, V] target distribution
-        gt = self.target_to_draft[batch.next_tokens.clamp(min=0)]
-        gt = torch.where(batch.next_tokens >= 0, gt, -1)  # [B, T] true next token in draft ids, -1 if not draftable
+            p = F.softmax(F.linear(batch.targets, weight).float(), dim=-1)  # [B, T, V] target distribution
+        to_local = torch.full((draft.config.vocab_size,), -1, dtype=torch.long, device=device)
+        to_local[vocab] = torch.arange(vocab.shape[0], device=device)
+        gt = torch.where(batch.next_tokens >= 0, to_local[batch.next_tokens.clamp(min=0)], -1)  # [B, T], -1: absent
         features = batch.features
         if self.training and self.noise > 0:
             u = torch.rand(features.shape, generator=generator, device=features.device, dtype=features.dtype)
@@ -134,14 +135,14 @@ class MultiPassObjective(nn.Module):
             out = draft.forward_fused(h, position_ids, attn_mask, past_kv=past)
             keys.append(out.key)
             values.append(out.value)
-            logits = draft.logits(out.predict).float()  # [B, T, V]
+            logits = F.linear(out.predict, weight.to(out.predict.dtype)).float()  # [B, T, V]
             token_loss = -(p * F.log_softmax(logits, dim=-1)).sum(-1)
             regress_loss = F.smooth_l1_loss(out.regress.float(), batch.targets, reduction="none").mean(-1)
             loss = self.w_regress * regress_loss + self.w_token * token_loss
             sums.append((loss * mask).sum())
             counts.append(mask.sum())
             with torch.no_grad():
-                ranked = logits.topk(max(self.topk, 1), dim=-1).indices  # [B, T, max(topk,1)]
+                ranked = logits.topk(min(max(self.topk, 1), logits.shape[-1]), dim=-1).indices  # [B, T, k]
                 hit1 = (ranked[..., 0] == gt).float()
                 hitk = (ranked == gt[..., None]).any(-1).float() if self.topk else torch.ones_like(hit1)
                 top1.append((hit1 * mask).sum())

@@ -48,7 +48,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default=None)
+    p.add_argument("--shard", default="0/1", help="i/n: this process answers parts i, i+n, ... (run n processes)")
     args = p.parse_args(argv)
+    try:
+        args.shard_index, args.num_shards = (int(x) for x in args.shard.split("/"))
+        assert 0 <= args.shard_index < args.num_shards
+    except (ValueError, AssertionError):
+        p.error("--shard must look like i/n with 0 <= i < n")
     if args.temperature < 0:
         p.error("--temperature must be >= 0")
     return args
@@ -87,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     new_tokens = 0
     while chunk := list(islice(records, args.part_size)):
         path = out / f"part-{part:05d}.jsonl"
-        if not path.is_file():
+        if part % args.num_shards == args.shard_index and not path.is_file():
             prompts, ids = [], []
             for j, record in enumerate(chunk):
                 try:
@@ -115,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         part += 1
     bar.close()
     parts = sorted(out.glob("part-*.jsonl"))
+    if len(parts) < part:
+        print(f"{part - len(parts)} parts are still being answered by other processes; the last one to finish "
+              f"writes {out / MERGED}")
+        return 0
     atomic_write(out / MERGED, lambda p: p.write_text("".join(x.read_text() for x in parts)))
     count = sum(1 for _ in open(out / MERGED))
     print(f"{out / MERGED}: {count} conversations answered by {args.target}")

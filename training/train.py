@@ -208,10 +208,24 @@ class Trainer:
 
     # --- loop --------------------------------------------------------------------------------------------------------
 
+    def batch_vocab(self, batch, reduce: bool) -> torch.Tensor | None:
+        """The static draft vocabulary plus every token of the (global) batch, when the head uses context tokens."""
+        draft = self.draft
+        if draft.draft_vocab is None or not draft.config.context_vocab:
+            return None
+        member = torch.zeros(draft.config.vocab_size, device=self.acc.device)
+        member[draft.static_vocab().to(self.acc.device)] = 1
+        member[batch.tokens[batch.valid]] = 1
+        member[batch.next_tokens[batch.next_tokens >= 0]] = 1
+        if reduce:
+            member = self.acc.reduce(member, reduction="sum")
+        return member.nonzero().squeeze(1)
+
     def run_batch(self, indices: list[int], training: bool, generator: torch.Generator | None = None):
         batch = make_batch([self.store[i] for i in indices], self.max_len).to(self.acc.device)
+        vocab = self.batch_vocab(batch, reduce=training)
         with self.acc.autocast():
-            out = self.objective(batch, generator)
+            out = self.objective(batch, vocab, generator)
         return out, batch.num_tokens
 
     def train(self) -> None:

@@ -1,0 +1,141 @@
+"""The GRIFFIN paper's ablation on our target: acceptance length of five heads trained on the same data and budget.
+
+    python -m inference.ablation --run          # speed runs (our generator only) for every head, then the report
+    python -m inference.ablation                # only rebuild the report from existing results
+
+Heads are ``checkpoints/<target>-<name>`` for the names below; every head uses the same tree and generation settings.
+Writes ``benchmarks/results/ablation.md`` (table) and ``ablation.png`` (plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from griffin.io import atomic_write, atomic_write_text
+from training.cli import run_cli
+
+from .questions import BENCHES
+from .report import markdown_table
+
+HEADS = {  # label -> checkpoint suffix; arch, K and top-k of each in the model cards
+    "GRIFFIN": "griffin",
+    "w/o TAT (griffin, K=1)": "griffin-k1",
+    "w/o TAD (eagle, K=3, top-3 mask)": "eagle-tat",
+    "HASS (eagle, K=3, no mask)": "hass",
+    "EAGLE-2 (eagle, K=1)": "eagle2",
+}
+BASELINE = "EAGLE-2 (eagle, K=1)"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m inference.ablation", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", action="store_true", help="run the missing speed runs first")
+    p.add_argument("--target", default="smollm2-135m-instruct")
+    p.add_argument("--checkpoints", default="checkpoints")
+    p.add_argument("--results", default="benchmarks/results")
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--total-tokens", default=None)
+    return p.parse_args(argv)
+
+
+def result_path(args, bench: str, suffix: str, temperature: float) -> Path:
+    return Path(args.results) / f"{bench}-{args.target}-{suffix}-T{temperature:g}.json"
+
+
+def run_missing(args, temperatures: list[float]) -> None:
+    from . import speed
+
+    for suffix in HEADS.values():
+        head = Path(args.checkpoints) / f"{args.target}-{suffix}"
+        for temperature in temperatures:
+            for bench in BENCHES:
+                if result_path(args, bench, suffix, temperature).is_file():
+                    continue
+                argv = ["--bench", bench, "--draft", str(head), "--methods", "ours", "--temperature",
+                        str(temperature), "--max-new-tokens", str(args.max_new_tokens), "--out-dir", args.results]
+                for flag in ("limit", "depth", "top_k", "total_tokens"):
+                    if getattr(args, flag) is not None:
+                        argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+                speed.main(argv)
+
+
+def report(args, temperatures: list[float]) -> str:
+    columns = [(b, t) for t in temperatures for b in BENCHES]
+    taus: dict[str, dict] = {}
+    commands = set()
+    for label, suffix in HEADS.items():
+        for bench, t in columns:
+            path = result_path(args, bench, suffix, t)
+            if path.is_file():
+                result = json.loads(path.read_text())
+                taus.setdefault(label, {})[(bench, t)] = result["tau"]
+                commands.add(result["command"])
+                settings = (result["tree"], result["max_new_tokens"], result["n_prompts"])
+    if not taus:
+        raise FileNotFoundError(f"no ablation results under {args.results}: run with --run first")
+    headers = ["head"] + [f"{b} T={t:g}" for b, t in columns] + ["mean", f"mean vs {BASELINE.split(' ')[0]}"]
+    base = taus.get(BASELINE, {})
+    rows = []
+    for label in HEADS:
+        if label not in taus:
+            continue
+        values = [taus[label].get(c) for c in columns]
+        present = [v for v in values if v is not None]
+        mean = sum(present) / len(present)
+        ratios = [v / base[c] for v, c in zip(values, columns) if v is not None and c in base]
+        rows.append([label] + [v if v is not None else "-" for v in values] + [mean] +
+                    [f"{sum(ratios) / len(ratios):.3f}x" if ratios else "-"])
+    text = ("# Ablation: acceptance length τ on SmolLM2-135M-Instruct\n\n"
+            f"τ = new tokens per target forward pass. Same features, data split and number of updates for every "
+            f"head; tree {settings[0]}, up to {settings[1]} new tokens, fp32 target, {settings[2]} prompts per "
+            "bench (MT-Bench: both turns).\n\n" + markdown_table(headers, rows) +
+            "\nProduced by `python -m inference.ablation`, from these speed runs:\n\n" +
+            "".join(f"- `{c}`\n" for c in sorted(commands)))
+    plot(args, taus, columns)
+    return text
+
+
+def plot(args, taus: dict, columns: list) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping ablation.png (pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(taus)
+    for i, (label, values) in enumerate(taus.items()):
+        xs = [j + i * width for j in range(len(columns))]
+        ax.bar(xs, [values.get(c, 0) for c in columns], width, label=label)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(columns))])
+    ax.set_xticklabels([f"{b}\nT={t:g}" for b, t in columns])
+    ax.set_ylabel("acceptance length τ")
+    ax.set_title("Draft heads on SmolLM2-135M-Instruct (same data and budget)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    atomic_write(Path(args.results) / "ablation.png", lambda p: fig.savefig(p, format="png", dpi=120))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    if args.run:
+        run_missing(args, temperatures)
+    text = report(args, temperatures)
+    atomic_write_text(Path(args.results) / "ablation.md", text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
