@@ -24,7 +24,7 @@ from inference.report import markdown_table
 from .cli import run_cli
 from .train import VALIDATION
 
-STAGES = "stages.json"  # the validation reports of every stage of a progressive run
+STAGES = "stages.json"  # the validation reports of every training stage, oldest first
 
 
 def card(name: str, dst: Path, head: DraftModel, report: dict, results: list[dict], stages: list[dict]) -> str:
@@ -41,7 +41,7 @@ def card(name: str, dst: Path, head: DraftModel, report: dict, results: list[dic
         "",
     ]
     rows = []
-    for stage in stages or [report]:
+    for stage in stages:
         r = stage["run"]
         last = stage["epochs"][-1]
         rows.append([r["steps"], r["topk"], f"{r['lr']:g}", r["total_updates"], r["global_batch"], last["tokens"],
@@ -69,6 +69,18 @@ def card(name: str, dst: Path, head: DraftModel, report: dict, results: list[dic
     return "\n".join(lines)
 
 
+def stage_reports(src: Path) -> list[dict]:
+    """The validation reports of a head and of the earlier stages it was initialised from, oldest first."""
+    reports: list[dict] = []
+    folder: Path | None = src
+    while folder is not None and (folder / VALIDATION).is_file() and len(reports) < 16:
+        report = json.loads((folder / VALIDATION).read_text())
+        reports.insert(0, report)
+        init = report["run"].get("init_from")
+        folder = Path(init) if init else None
+    return reports
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,15 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     src, dst = Path(args.src), Path(args.dst)
     head = DraftModel.from_pretrained(src)
     report = json.loads((src / VALIDATION).read_text())
-    stages = [json.loads((stage / VALIDATION).read_text()) for stage in sorted(src.glob("stage-*"))
-              if (stage / VALIDATION).is_file()]
-    if not stages and (src / STAGES).is_file():
-        stages = json.loads((src / STAGES).read_text())
+    stages = json.loads((src / STAGES).read_text()) if (src / STAGES).is_file() else stage_reports(src)
     if src.resolve() != dst.resolve():
         head.save_pretrained(dst, dtype=torch.float16)
         atomic_write(dst / VALIDATION, lambda path: shutil.copyfile(src / VALIDATION, path))
-        if stages:
-            atomic_write_json(dst / STAGES, stages)
+        atomic_write_json(dst / STAGES, stages)
     results = sorted((json.loads(f.read_text()) for f in Path(args.results).glob(f"*-{dst.name}-T*.json")),
                      key=lambda r: (r["bench"], r["temperature"]))
     text = card(args.name or head.config.arch, dst, head, report, results, stages)

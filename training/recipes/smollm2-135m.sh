@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The shipped heads for the embedded SmolLM2-135M-Instruct target, from data to checkpoints (CPU, resumable).
+#
+# Every head follows the same three-stage schedule on the same features and differs only in what the paper's
+# ablation varies: stage 1 trains K=1 (EAGLE training), stages 2 and 3 continue from the previous stage with
+# K=2 and K=3 passes (K stays 1 for the single-pass heads). Stage 1 is shared by the heads of one architecture.
+#
+#   GRIFFIN   griffin  K=1,2,3  top-3 alignment mask
+#   w/o TAT   griffin  K=1,1,1
+#   w/o TAD   eagle    K=1,2,3  top-3 alignment mask
+#   HASS      eagle    K=1,2,3  no mask (topk 0)
+#   EAGLE-2   eagle    K=1,1,1
+#
+# Usage: bash training/recipes/smollm2-135m.sh [WORKDIR]   (rerun to resume after a kill)
+set -euo pipefail
+work=${1:-work}
+data=$work/regen
+features=$work/features
+heads=$work/heads
+common=(--features "$features" --draft-vocab 8192 --batch-size 4 --epochs "${EPOCHS:-1}" --mixed-precision bf16
+        --save-every 100)
+
+# 1. answers written by the target itself (greedy) for first turns of the embedded ShareGPT
+python -m training.regenerate --out "$data" --max-samples 8000 --dtype bf16
+# 2. target features (bf16 compute, stored as bf16)
+python -m training.build_features --data "$data/conversations.jsonl" --out "$features" --max-len 1024 --dtype bf16
+
+stage() {  # stage OUT ARCH STEPS TOPK LR [INIT]
+  local out=$1 arch=$2 steps=$3 topk=$4 lr=$5 init=${6:-}
+  if [ -f "$out/validation.json" ] && [ -f "$out/model.safetensors" ]; then return; fi
+  local resume=()
+  [ -d "$out/train_state" ] && resume=(--resume)
+  python -m training.train "${common[@]}" --out "$out" --arch "$arch" --steps "$steps" --topk "$topk" --lr "$lr" \
+    ${init:+--init-from "$init"} "${resume[@]}"
+}
+
+stage "$heads/griffin-s1" griffin 1 3 1e-3
+stage "$heads/eagle-s1" eagle 1 3 1e-3
+stage "$heads/griffin-s2" griffin 2 3 6e-4 "$heads/griffin-s1"
+stage "$heads/griffin" griffin 3 3 6e-4 "$heads/griffin-s2"
+stage "$heads/eagle2-s2" eagle 1 3 6e-4 "$heads/eagle-s1"
+stage "$heads/eagle2" eagle 1 3 6e-4 "$heads/eagle2-s2"
+stage "$heads/griffin-k1-s2" griffin 1 3 6e-4 "$heads/griffin-s1"
+stage "$heads/griffin-k1" griffin 1 3 6e-4 "$heads/griffin-k1-s2"
+stage "$heads/hass-s2" eagle 2 0 6e-4 "$heads/eagle-s1"
+stage "$heads/hass" eagle 3 0 6e-4 "$heads/hass-s2"
+stage "$heads/eagle-tat-s2" eagle 2 3 6e-4 "$heads/eagle-s1"
+stage "$heads/eagle-tat" eagle 3 3 6e-4 "$heads/eagle-tat-s2"
+
+for name in griffin griffin-k1 eagle-tat hass eagle2; do
+  python -m training.export "$heads/$name" "checkpoints/smollm2-135m-instruct-$name"
+done
