@@ -1,0 +1,74 @@
+"""Regenerate the README's results section from the committed speed-run files.
+
+    python -m inference.headline
+
+Reads ``benchmarks/results/<bench>-<head>-T<temp>.json`` for the shipped default head and ``ablation.md``, and
+rewrites the text between ``<!-- results:start -->`` and ``<!-- results:end -->`` in README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from griffin.io import atomic_write_text
+from training.cli import run_cli
+
+from .questions import BENCHES
+from .report import markdown_table
+
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def section(results_dir: Path, head: str) -> str:
+    rows = []
+    commands = []
+    for temperature in (0, 1):
+        for bench in BENCHES:
+            path = results_dir / f"{bench}-{head}-T{temperature}.json"
+            if not path.is_file():
+                continue
+            r = json.loads(path.read_text())
+            rows.append([bench, r["temperature"], r["n_prompts"], r["max_new_tokens"], r["tau"],
+                         f"{r['speedup']:.2f}x" if "speedup" in r else "-",
+                         f"{r['tokens_per_s']:.1f}", f"{r['baseline_tokens_per_s']:.1f}" if "speedup" in r else "-",
+                         f"{r['peers']['prompt_lookup']:.2f}x" if "peers" in r else "-",
+                         r.get("identical_fraction", "-"), f"[json]({path.as_posix()})"])
+            commands.append(r["command"])
+            machine = r["machine"]
+    if not rows:
+        return "No speed runs yet.\n"
+    text = (f"Head `checkpoints/{head}` on its fp32 target, one process per run, every method timed side by side "
+            f"after a warm-up on {machine['cpu']} ({machine['cores']} cores, torch {machine['torch']}).\n\n")
+    text += markdown_table(["bench", "T", "prompts", "max new", "τ", "speedup vs HF generate", "tokens/s",
+                            "HF generate tokens/s", "prompt lookup speedup", "identical", "file"], rows)
+    text += "\nτ: new tokens per target forward pass. Commands:\n\n" + "".join(f"- `{c}`\n" for c in commands)
+    if (results_dir / "ablation.md").is_file():
+        text += ("\nAblation (GRIFFIN vs w/o TAT, w/o TAD, HASS and EAGLE-2 heads trained on the same data and "
+                 f"budget): [{(results_dir / 'ablation.md').as_posix()}]({(results_dir / 'ablation.md').as_posix()})"
+                 f"\n\n![ablation]({(results_dir / 'ablation.png').as_posix()})\n")
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m inference.headline", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--readme", default="README.md")
+    p.add_argument("--results", default="benchmarks/results")
+    p.add_argument("--head", default="smollm2-135m-instruct-griffin")
+    args = p.parse_args(argv)
+    readme = Path(args.readme)
+    text = readme.read_text()
+    if START not in text or END not in text:
+        raise ValueError(f"{readme} has no {START} ... {END} section to fill")
+    before, rest = text.split(START, 1)
+    _, after = rest.split(END, 1)
+    atomic_write_text(readme, before + START + "\n" + section(Path(args.results), args.head) + END + after)
+    print(f"updated the results section of {readme}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
