@@ -12,6 +12,8 @@
 #   EAGLE-2   eagle    K=1,1,1
 #
 # Usage: bash training/recipes/smollm2-135m.sh [WORKDIR]   (rerun to resume after a kill)
+#   CHAIN=griffin or CHAIN=eagle trains one architecture's heads only (two such runs can share a machine's cores
+#   once the features exist); EPOCHS=n sets the epochs per stage (default 1).
 set -euo pipefail
 work=${1:-work}
 data=$work/regen
@@ -34,19 +36,25 @@ stage() {  # stage OUT ARCH STEPS TOPK LR [INIT]
     ${init:+--init-from "$init"} "${resume[@]}"
 }
 
-stage "$heads/griffin-s1" griffin 1 3 1e-3
-stage "$heads/eagle-s1" eagle 1 3 1e-3
-stage "$heads/griffin-s2" griffin 2 3 6e-4 "$heads/griffin-s1"
-stage "$heads/griffin" griffin 3 3 6e-4 "$heads/griffin-s2"
-stage "$heads/eagle2-s2" eagle 1 3 6e-4 "$heads/eagle-s1"
-stage "$heads/eagle2" eagle 1 3 6e-4 "$heads/eagle2-s2"
-stage "$heads/griffin-k1-s2" griffin 1 3 6e-4 "$heads/griffin-s1"
-stage "$heads/griffin-k1" griffin 1 3 6e-4 "$heads/griffin-k1-s2"
-stage "$heads/hass-s2" eagle 2 0 6e-4 "$heads/eagle-s1"
-stage "$heads/hass" eagle 3 0 6e-4 "$heads/hass-s2"
-stage "$heads/eagle-tat-s2" eagle 2 3 6e-4 "$heads/eagle-s1"
-stage "$heads/eagle-tat" eagle 3 3 6e-4 "$heads/eagle-tat-s2"
-
-for name in griffin griffin-k1 eagle-tat hass eagle2; do
+chain=${CHAIN:-all}
+if [ "$chain" = all ] || [ "$chain" = griffin ]; then
+  stage "$heads/griffin-s1" griffin 1 3 1e-3
+  stage "$heads/griffin-s2" griffin 2 3 6e-4 "$heads/griffin-s1"
+  stage "$heads/griffin" griffin 3 3 6e-4 "$heads/griffin-s2"
+  stage "$heads/griffin-k1-s2" griffin 1 3 6e-4 "$heads/griffin-s1"
+  stage "$heads/griffin-k1" griffin 1 3 6e-4 "$heads/griffin-k1-s2"
+  names=(griffin griffin-k1)
+fi
+if [ "$chain" = all ] || [ "$chain" = eagle ]; then
+  stage "$heads/eagle-s1" eagle 1 3 1e-3
+  stage "$heads/eagle2-s2" eagle 1 3 6e-4 "$heads/eagle-s1"
+  stage "$heads/eagle2" eagle 1 3 6e-4 "$heads/eagle2-s2"
+  stage "$heads/hass-s2" eagle 2 0 6e-4 "$heads/eagle-s1"
+  stage "$heads/hass" eagle 3 0 6e-4 "$heads/hass-s2"
+  stage "$heads/eagle-tat-s2" eagle 2 3 6e-4 "$heads/eagle-s1"
+  stage "$heads/eagle-tat" eagle 3 3 6e-4 "$heads/eagle-tat-s2"
+  names=(${names[@]+"${names[@]}"} eagle2 hass eagle-tat)
+fi
+for name in "${names[@]}"; do
   python -m training.export "$heads/$name" "checkpoints/smollm2-135m-instruct-$name"
 done
