@@ -49,7 +49,7 @@ def forward_cost(gen, sizes: list[int], context: int = 256, repeats: int = 5) ->
     ids = torch.randint(0, gen.target.config.vocab_size, (context + max(sizes),), device=gen.device)
     cache = BufferCache(gen.num_layers, context + max(sizes))
     causal = torch.ones(context, context, dtype=torch.bool, device=gen.device).tril()
-    gen._target_forward(ids[:context], torch.arange(context, device=gen.device), causal, cache)
+    gen._target_forward(ids[:context], torch.arange(context, device=gen.device), causal, cache, last_logits_only=True)
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(repeats):
         for n in sizes:  # interleaved, so that machine noise spreads over all sizes

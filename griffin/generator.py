@@ -153,8 +153,9 @@ class SpecGenerator:
     # --- target ------------------------------------------------------------------------------------------------------
 
     def _target_forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
-                        cache: BufferCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [q] at positions [q], allowed [q, q] among them (all past entries visible) -> hidden, logits."""
+                        cache: BufferCache, last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [q] at positions [q], allowed [q, q] among them (all past entries visible) -> hidden [q, H] and
+        logits [q, V] (or [1, V] for the last position only)."""
         ctx, q = cache.length, tokens.shape[0]
         dtype = self.lm_head.weight.dtype
         mask = torch.zeros(1, 1, q, ctx + q, dtype=dtype, device=self.device)
@@ -162,7 +163,7 @@ class SpecGenerator:
         out = self.decoder(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask,
                            past_key_values=cache, use_cache=True)
         hidden = out.last_hidden_state[0]  # [q, H] == hidden_states[-1]
-        return hidden, self.lm_head(hidden)
+        return hidden, self.lm_head(hidden[-1:] if last_logits_only else hidden)
 
     # --- generation ----------------------------------------------------------------------------------------------
 
@@ -185,7 +186,7 @@ class SpecGenerator:
         cache = BufferCache(self.num_layers, p + max_new_tokens + max(tree_cap, drafter.total_tokens + 1))
         positions = torch.arange(p, device=self.device)
         causal = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()
-        hidden, logits = self._target_forward(ids, positions, causal, cache)
+        hidden, logits = self._target_forward(ids, positions, causal, cache, last_logits_only=True)
         token = sample_token(logits[-1], sampling, generator)
         stats.prefill_s += clock.lap()
         stats.new_tokens = 1
