@@ -77,3 +77,60 @@ def test_speed_run_writes_results(tmp_path, embedded):
     answer = json.loads((tmp_path / "results" / "answers" / "gsm8k-head-T0.jsonl").read_text())
     assert answer["question_id"] == 0 and len(answer["choices"][0]["turns"]) == 1
     assert not list((tmp_path / "results").glob(".*partial*"))
+
+
+def fake_result(bench: str, draft: str, temperature: float, tau: float) -> dict:
+    return {"bench": bench, "target": "smollm2-135m-instruct", "draft": draft, "temperature": temperature,
+            "max_new_tokens": 128, "n_prompts": 80, "tau": tau, "tokens_per_s": 30.0, "speedup": 2.0,
+            "baseline_tokens_per_s": 15.0, "peers": {"prompt_lookup": 1.1}, "identical_fraction": 1.0,
+            "tree": {"depth": 5, "top_k": 8, "total_tokens": 24}, "command": f"python -m inference.speed {bench}",
+            "machine": {"cpu": "cpu", "cores": 2, "torch": "2.13", "date": "today"}}
+
+
+def test_ablation_report_and_readme_section(tmp_path):
+    from inference import ablation, headline
+
+    results = tmp_path / "results"
+    results.mkdir()
+    for i, suffix in enumerate(ablation.HEADS.values()):
+        for bench in ("mt_bench", "humaneval", "gsm8k"):
+            for t in (0, 1):
+                name = f"{bench}-smollm2-135m-instruct-{suffix}-T{t}.json"
+                (results / name).write_text(json.dumps(fake_result(bench, suffix, float(t), 3.0 - 0.2 * i)))
+    assert ablation.main(["--results", str(results)]) == 0
+    report = (results / "ablation.md").read_text()
+    assert "| GRIFFIN | 3.00 |" in report and "1.364x" in report  # 3.0 / 2.2 against EAGLE-2
+    assert (results / "ablation.png").stat().st_size > 1000
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- results:start -->\nold\n<!-- results:end -->\nrest\n")
+    assert headline.main(["--readme", str(readme), "--results", str(results)]) == 0
+    text = readme.read_text()
+    assert "old" not in text and "| mt_bench | 0.00 | 80 |" in text and text.endswith("rest\n")
+
+
+def test_export_writes_fp16_weights_and_a_card(tmp_path, tiny_target_dir):
+    from training import export
+
+    src = tmp_path / "head"
+    head = DraftModel(DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                  vocab_size=50, target={"name": "tiny"}))
+    head.save_pretrained(src)
+    passes = [{"pass": 1, "loss": 1.0, "top1": 0.5, "top3": 0.7, "kept": 1.0, "positions": 10}]
+    run = {"arch": "griffin", "steps": 1, "topk": 3, "lr": 1e-3, "total_updates": 5, "global_batch": 4,
+           "mixed_precision": "bf16", "features": "f", "train_conversations": 9, "val_conversations": 1,
+           "noise": 0.2, "init_from": None}
+    (src / "validation.json").write_text(json.dumps({"run": run, "epochs": [
+        {"epoch": 0, "updates": 5, "tokens": 100, "train_seconds": 36.0, "passes": passes}]}))
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "mt_bench-tiny-griffin-T0.json").write_text(json.dumps(fake_result("mt_bench", "x", 0.0, 3.1)))
+    dst = tmp_path / "tiny-griffin"
+    assert export.main([str(src), str(dst), "--name", "GRIFFIN", "--results", str(results)]) == 0
+    assert DraftModel.from_pretrained(dst).config == head.config
+    from safetensors import safe_open
+
+    with safe_open(str(dst / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("fusion.fc.weight").dtype == torch.float16
+    card = (dst / "README.md").read_text()
+    assert card.startswith("# GRIFFIN draft head for tiny") and "| 1 | 0.50 | 0.70 | 1.00 | 1.00 |" in card
+    assert "3.10" in card and "python -m inference.speed mt_bench" in card
