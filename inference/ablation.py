@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--total-tokens", default=None)
+    p.add_argument("--benches", default=",".join(BENCHES), help="benches to run (the report shows all it finds)")
+    p.add_argument("--heads", default=",".join(HEADS.values()),
+                   help="checkpoint suffixes to run (split them over several processes to use more cores)")
     return p.parse_args(argv)
 
 
@@ -53,10 +56,10 @@ def result_path(args, bench: str, suffix: str, temperature: float) -> Path:
 def run_missing(args, temperatures: list[float]) -> None:
     from . import speed
 
-    for suffix in HEADS.values():
+    for suffix in args.heads.split(","):
         head = Path(args.checkpoints) / f"{args.target}-{suffix}"
         for temperature in temperatures:
-            for bench in BENCHES:
+            for bench in args.benches.split(","):
                 if result_path(args, bench, suffix, temperature).is_file():
                     continue
                 argv = ["--bench", bench, "--draft", str(head), "--methods", "ours", "--temperature",
