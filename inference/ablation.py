@@ -73,6 +73,7 @@ def run_missing(args, temperatures: list[float]) -> None:
 def report(args, temperatures: list[float]) -> str:
     columns = [(b, t) for t in temperatures for b in BENCHES]
     taus: dict[str, dict] = {}
+    prompts: dict[tuple, set] = {}
     commands = set()
     for label, suffix in HEADS.items():
         for bench, t in columns:
@@ -80,11 +81,14 @@ def report(args, temperatures: list[float]) -> str:
             if path.is_file():
                 result = json.loads(path.read_text())
                 taus.setdefault(label, {})[(bench, t)] = result["tau"]
+                prompts.setdefault((bench, t), set()).add(result["n_prompts"])
                 commands.add(result["command"])
-                settings = (result["tree"], result["max_new_tokens"], result["n_prompts"])
+                settings = (result["tree"], result["max_new_tokens"])
     if not taus:
         raise FileNotFoundError(f"no ablation results under {args.results}: run with --run first")
-    headers = ["head"] + [f"{b} T={t:g}" for b, t in columns] + ["mean", f"mean vs {BASELINE.split(' ')[0]}"]
+    columns = [c for c in columns if c in prompts]
+    headers = (["head"] + [f"{b} T={t:g} ({'/'.join(map(str, sorted(prompts[(b, t)])))})" for b, t in columns] +
+               ["mean", f"mean vs {BASELINE.split(' ')[0]}"])
     base = taus.get(BASELINE, {})
     rows = []
     for label in HEADS:
@@ -98,8 +102,8 @@ def report(args, temperatures: list[float]) -> str:
                     [f"{sum(ratios) / len(ratios):.3f}x" if ratios else "-"])
     text = ("# Ablation: acceptance length τ on SmolLM2-135M-Instruct\n\n"
             f"τ = new tokens per target forward pass. Same features, data split and number of updates for every "
-            f"head; tree {settings[0]}, up to {settings[1]} new tokens, fp32 target, {settings[2]} prompts per "
-            "bench (MT-Bench: both turns).\n\n" + markdown_table(headers, rows) +
+            f"head; tree {settings[0]}, up to {settings[1]} new tokens, fp32 target. Column headers give the number "
+            "of prompts (MT-Bench: both turns of each question).\n\n" + markdown_table(headers, rows) +
             "\nProduced by `python -m inference.ablation`, from these speed runs:\n\n" +
             "".join(f"- `{c}`\n" for c in sorted(commands)))
     plot(args, taus, columns)
