@@ -43,13 +43,18 @@ def shards_equal(a, b) -> bool:
     return True
 
 
-def test_stored_features_equal_direct_forward(tmp_path, tiny_target_dir):
-    data = write_data(tmp_path / "d.json", conversations(6, words=12))
-    res = run_module("training.build_features", "--target", str(tiny_target_dir), "--data", data, "--out",
-                     str(tmp_path / "store"), "--max-len", "96", "--batch-size", "3", "--shard-size", "4")
+def test_stored_features_equal_direct_forward(tmp_path, tiny_target_dir, smol_tokenizer):
+    records = conversations(6, words=12)
+    first = write_data(tmp_path / "d.json", records[:3])
+    second = tmp_path / "d.jsonl"  # a second source, read after the first (shard 0 spans both files)
+    second.write_text("".join(json.dumps(r) + "\n" for r in records[3:]))
+    res = run_module("training.build_features", "--target", str(tiny_target_dir), "--data", first, str(second),
+                     "--out", str(tmp_path / "store"), "--max-len", "96", "--batch-size", "3", "--shard-size", "4")
     assert res.returncode == 0, res.stderr
     assert "6 conversations" in res.stdout
     store = FeatureStore(tmp_path / "store")
+    answers = [smol_tokenizer.decode(store[i].input_ids) for i in range(len(store))]
+    assert all(f"Answer {i}:" in text for i, text in enumerate(answers))
     manifest = store.manifest
     for key in ("target", "num_samples", "num_tokens", "hidden_size", "dtype", "max_len"):
         assert key in manifest

