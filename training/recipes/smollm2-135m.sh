@@ -12,8 +12,8 @@
 #   EAGLE-2   eagle    K=1,1,1
 #
 # Usage: bash training/recipes/smollm2-135m.sh [WORKDIR]   (rerun to resume after a kill)
-#   CHAIN=griffin or CHAIN=eagle trains one architecture's heads only (two such runs can share a machine's cores
-#   once the features exist); EPOCHS=n sets the epochs per stage (default 1).
+#   CHAIN=griffin or CHAIN=eagle trains one architecture's heads only: once the features exist, two such runs with
+#   OMP_NUM_THREADS=1 each use two cores better than one run with both; EPOCHS=n sets the epochs per stage (default 1).
 set -euo pipefail
 work=${1:-work}
 data=$work/regen
@@ -22,10 +22,12 @@ heads=$work/heads
 common=(--features "$features" --draft-vocab 8192 --batch-size 4 --epochs "${EPOCHS:-1}" --mixed-precision bf16
         --save-every 100)
 
-# 1. answers written by the target itself (greedy) for first turns of the embedded ShareGPT
-python -m training.regenerate --out "$data" --max-samples 8000 --dtype bf16
-# 2. target features (bf16 compute, stored as bf16)
-python -m training.build_features --data "$data/conversations.jsonl" --out "$features" --max-len 1024 --dtype bf16
+# 1. answers written by the target itself (greedy) for the first turns of the first 1536 ShareGPT records
+python -m training.regenerate --out "$data" --max-samples 1536 --max-new-tokens 320 --batch-size 48 --dtype bf16
+# 2. target features (bf16 compute, stored as bf16): the regenerated conversations, then 600 original ShareGPT ones
+n=$(wc -l < "$data/conversations.jsonl")
+python -m training.build_features --data "$data/conversations.jsonl" sharegpt --max-samples $((n + 600)) \
+  --out "$features" --max-len 768 --dtype bf16
 
 stage() {  # stage OUT ARCH STEPS TOPK LR [INIT]
   local out=$1 arch=$2 steps=$3 topk=$4 lr=$5 init=${6:-}
