@@ -96,11 +96,13 @@ class SpecGenerator:
     def from_pretrained(cls, target: str | os.PathLike | PreTrainedModel = EMBEDDED_TARGET,
                         draft: str | os.PathLike | DraftModel | None = None, *, depth: int = 5, top_k: int = 8,
                         total_tokens: int | str = 24, dtype: str | torch.dtype | None = None,
-                        device: str | torch.device | None = None, draft_dtype: str | torch.dtype | None = None,
+                        device: str | torch.device | None = None, draft_dtype: str | torch.dtype | None = "auto",
                         tokenizer: PreTrainedTokenizerBase | None = None) -> SpecGenerator:
         """``target``: a name (``smollm2-135m-instruct``), a local HF folder or a loaded model; ``draft``: a head
         folder, a :class:`DraftModel`, or None for the head shipped for the target. ``total_tokens="auto"`` picks the
-        tree size and depth that maximise the expected speedup on this machine (measured once, then cached)."""
+        tree size and depth that maximise the expected speedup on this machine (measured once, then cached).
+        ``draft_dtype="auto"`` runs the head in bf16 where the hardware computes it natively (see
+        :func:`fast_draft_dtype`); the head's dtype changes which tokens are drafted, never the output."""
         if isinstance(target, PreTrainedModel):
             model = target.eval()
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(model.config._name_or_path)
@@ -115,6 +117,8 @@ class SpecGenerator:
         if not isinstance(draft, DraftModel):
             draft_path = Path(draft)
             draft = DraftModel.from_pretrained(draft_path)
+        if draft_dtype == "auto":
+            draft_dtype = fast_draft_dtype(next(model.parameters()).device)
         gen = cls(model, tokenizer, draft, depth=depth, top_k=top_k, total_tokens=1 if total_tokens == "auto" else
                   total_tokens, draft_dtype=resolve_dtype(draft_dtype))
         gen.draft_path = draft_path
@@ -296,6 +300,16 @@ class SpecGenerator:
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         return self.generate(messages, **kwargs)
+
+
+def fast_draft_dtype(device: torch.device) -> torch.dtype | None:
+    """bf16 on CUDA and on CPUs with native bf16 matmuls (AVX512-BF16 or AMX), else None (the head's own dtype)."""
+    if device.type == "cuda":
+        return torch.bfloat16
+    native = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private torch.cpu probes, absent in old torch
+    if device.type == "cpu" and any(getattr(torch.cpu, probe, lambda: False)() for probe in native):
+        return torch.bfloat16
+    return None
 
 
 def default_head(target_name: str) -> Path:

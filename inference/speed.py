@@ -48,7 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--limit", type=int, default=None, help="only the first n questions")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="target dtype")
-    p.add_argument("--draft-dtype", default=None, choices=["fp32", "bf16"], help="draft head dtype")
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="draft head dtype (auto: bf16 where the hardware computes it natively)")
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--total-tokens", default=None, help="tree size, or 'auto' (tuned for this machine and head)")

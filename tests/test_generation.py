@@ -237,3 +237,18 @@ def test_context_tokens_join_a_reduced_draft_vocabulary():
     prompt = torch.tensor([60, 61, 62, 61, 60])
     ref = target.generate(prompt[None], max_new_tokens=20, do_sample=False)
     assert torch.equal(gen.generate(prompt, max_new_tokens=20).sequences, ref)
+
+
+def test_bf16_drafting_keeps_the_output():
+    from griffin.generator import fast_draft_dtype
+
+    target = tiny_model("llama", vocab_size=96, seed=5)
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=4, top_k=4, total_tokens=12,
+                        draft_dtype=torch.bfloat16)
+    assert gen.draft.fusion.fc.weight.dtype == torch.bfloat16 and target.lm_head.weight.dtype == torch.float32
+    for seed in range(3):
+        prompt = torch.randint(0, 96, (6,), generator=torch.Generator().manual_seed(seed))
+        ref = target.generate(prompt[None], max_new_tokens=20, do_sample=False)
+        assert torch.equal(gen.generate(prompt, max_new_tokens=20).sequences, ref)
+    assert fast_draft_dtype(torch.device("cuda")) == torch.bfloat16
+    assert fast_draft_dtype(torch.device("cpu")) in (torch.bfloat16, None)
