@@ -19,8 +19,16 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
 ROOT = Path(__file__).resolve().parent.parent
+THREADS = min(2, torch.get_num_threads())
+
+
+@pytest.fixture(autouse=True)
+def _threads(request):
+    """Two threads for the embedded target; one for tiny models, whose many small ops only pay for thread syncs."""
+    big = {"embedded", "smol_generator"} & set(request.fixturenames)
+    torch.set_num_threads(THREADS if big else 1)
+    yield
 
 
 def tiny_model(family: str = "llama", vocab_size: int = 128, seed: int = 0, hidden: int = 64, layers: int = 2):
