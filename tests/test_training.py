@@ -126,6 +126,22 @@ def test_loss_falls_when_overfitting_eight_sequences():
     assert out["counts"][2] > 0  # later passes keep aligned positions
 
 
+def test_without_a_token_mask_every_position_stays_and_accuracy_is_still_measured():
+    target = tiny_model(vocab_size=60, hidden=32)
+    torch.manual_seed(0)
+    draft = DraftModel(DraftConfig.from_target(target.config, arch="eagle")).attach(target)
+    batch = make_batch(synthetic_items(target, 3, 12))
+    hass = MultiPassObjective(draft, steps=3, topk=0).eval()(batch)
+    masked = MultiPassObjective(draft, steps=3, topk=3).eval()(batch)
+    data = batch.data_mask * batch.valid
+    shifted = torch.zeros_like(data)
+    shifted[:, 1:] = data[:, :-1]
+    assert hass["counts"][1] == (shifted * data).sum()  # HASS: only the data mask, carried one position per pass
+    assert masked["counts"][1] < hass["counts"][1]  # an untrained head misses most tokens: the top-3 mask drops them
+    assert hass["top1"][0] == masked["top1"][0] and hass["topk"][0] == masked["topk"][0]  # real top-1 / top-3 hits
+    assert hass["topk"][0] < hass["counts"][0]
+
+
 # --- the command line --------------------------------------------------------------------------------------------
 
 

@@ -53,8 +53,8 @@ def card(name: str, dst: Path, head: DraftModel, report: dict, results: list[dic
               "built). Optimiser AdamW (0.9, 0.95), cosine schedule with warm-up, gradient clipping 0.5, feature "
               f"noise {run['noise']}.", "", "## Validation (held-out conversations, last epoch)", ""]
     passes = report["epochs"][-1]["passes"]
-    topk_key = next(k for k in passes[0] if k.startswith("top") and k != "top1")
-    lines.append(markdown_table(["pass", "top-1", topk_key, "kept", "loss"],
+    topk_key = next((k for k in passes[0] if k.startswith("top") and k != "top1"), "top1")
+    lines.append(markdown_table(["pass", "top-1", topk_key.replace("top", "top-"), "kept", "loss"],
                                 [[p["pass"], p["top1"], p[topk_key], p["kept"], p["loss"]] for p in passes]))
     lines += ["`kept`: fraction of positions still in the loss at that pass (the alignment mask).", ""]
     if results:

@@ -106,6 +106,7 @@ class MultiPassObjective(nn.Module):
         self.draft = draft
         self.steps, self.topk = steps, topk
         self.w_regress, self.w_token, self.noise = w_regress, w_token, noise
+        self.report_k = topk or 3  # the top-k accuracy reported (HASS, without a token mask, still reports top-3)
 
     def forward(self, batch: Batch, vocab: torch.Tensor | None = None,
                 generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
@@ -142,13 +143,14 @@ class MultiPassObjective(nn.Module):
             sums.append((loss * mask).sum())
             counts.append(mask.sum())
             with torch.no_grad():
-                ranked = logits.topk(min(max(self.topk, 1), logits.shape[-1]), dim=-1).indices  # [B, T, k]
+                ranked = logits.topk(min(self.report_k, logits.shape[-1]), dim=-1).indices  # [B, T, k]
                 hit1 = (ranked[..., 0] == gt).float()
-                hitk = (ranked == gt[..., None]).any(-1).float() if self.topk else torch.ones_like(hit1)
+                hitk = (ranked == gt[..., None]).any(-1).float()
                 top1.append((hit1 * mask).sum())
                 topk_hits.append((hitk * mask).sum())
                 if k < self.steps:
-                    mask = next_masks(mask, hitk, batch.data_mask * batch.valid)
+                    aligned = hitk if self.topk else torch.ones_like(hitk)  # topk 0: no token mask (HASS)
+                    mask = next_masks(mask, aligned, batch.data_mask * batch.valid)
                     shifted = torch.zeros_like(out.regress)
                     shifted[:, 1:] = out.regress[:, :-1].detach()
                     shifted[:, 0] = features[:, 0]
