@@ -4,7 +4,7 @@
     python -m inference.ablation                # only rebuild the report from existing results
 
 Heads are ``checkpoints/<target>-<name>`` for the names below; every head uses the same tree and generation settings.
-Writes ``benchmarks/results/ablation.md`` (table) and ``ablation.png`` (plot).
+Writes ``benchmarks/results/ablation/ablation.md`` (table) and ``ablation.png`` (plot) beside the runs.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run", action="store_true", help="run the missing speed runs first")
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--checkpoints", default="checkpoints")
-    p.add_argument("--results", default="benchmarks/results")
+    p.add_argument("--results", default="benchmarks/results/ablation",
+                   help="folder of the ablation's speed runs and report (apart from the headline runs, whose tree "
+                        "may be tuned per head)")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, default=None)

@@ -45,10 +45,11 @@ def section(results_dir: Path, head: str) -> str:
     text += markdown_table(["bench", "T", "prompts", "max new", "τ", "speedup vs HF generate", "tokens/s",
                             "HF generate tokens/s", "prompt lookup speedup", "identical", "file"], rows)
     text += "\nτ: new tokens per target forward pass. Commands:\n\n" + "".join(f"- `{c}`\n" for c in commands)
-    if (results_dir / "ablation.md").is_file():
+    ablation = results_dir / "ablation"
+    if (ablation / "ablation.md").is_file():
         text += ("\nAblation (GRIFFIN vs w/o TAT, w/o TAD, HASS and EAGLE-2 heads trained on the same data and "
-                 f"budget): [{(results_dir / 'ablation.md').as_posix()}]({(results_dir / 'ablation.md').as_posix()})"
-                 f"\n\n![ablation]({(results_dir / 'ablation.png').as_posix()})\n")
+                 f"budget): [{(ablation / 'ablation.md').as_posix()}]({(ablation / 'ablation.md').as_posix()})"
+                 f"\n\n![ablation]({(ablation / 'ablation.png').as_posix()})\n")
     return text
 
 

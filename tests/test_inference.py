@@ -91,21 +91,25 @@ def test_ablation_report_and_readme_section(tmp_path):
     from inference import ablation, headline
 
     results = tmp_path / "results"
-    results.mkdir()
+    (results / "ablation").mkdir(parents=True)
     for i, suffix in enumerate(ablation.HEADS.values()):
         for bench in ("mt_bench", "humaneval", "gsm8k"):
             for t in (0, 1):
                 name = f"{bench}-smollm2-135m-instruct-{suffix}-T{t}.json"
-                (results / name).write_text(json.dumps(fake_result(bench, suffix, float(t), 3.0 - 0.2 * i)))
-    assert ablation.main(["--results", str(results)]) == 0
-    report = (results / "ablation.md").read_text()
+                (results / "ablation" / name).write_text(json.dumps(fake_result(bench, suffix, float(t),
+                                                                                3.0 - 0.2 * i)))
+                if suffix == "griffin":  # the headline runs of the shipped head
+                    (results / name).write_text(json.dumps(fake_result(bench, suffix, float(t), 3.5)))
+    assert ablation.main(["--results", str(results / "ablation")]) == 0
+    report = (results / "ablation" / "ablation.md").read_text()
     assert "| GRIFFIN | 3.00 |" in report and "1.364x" in report  # 3.0 / 2.2 against EAGLE-2
-    assert (results / "ablation.png").stat().st_size > 1000
+    assert (results / "ablation" / "ablation.png").stat().st_size > 1000
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- results:start -->\nold\n<!-- results:end -->\nrest\n")
     assert headline.main(["--readme", str(readme), "--results", str(results)]) == 0
     text = readme.read_text()
-    assert "old" not in text and "| mt_bench | 0.00 | 80 |" in text and text.endswith("rest\n")
+    assert "old" not in text and "| mt_bench | 0.00 | 80 | 128 | 3.50 |" in text and text.endswith("rest\n")
+    assert "ablation/ablation.md" in text
 
 
 def test_export_writes_fp16_weights_and_a_card(tmp_path, tiny_target_dir):
