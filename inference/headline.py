@@ -38,9 +38,10 @@ def section(results_dir: Path, head: str) -> str:
                          r.get("identical_fraction", "-"), f"[json]({path.as_posix()})"])
             commands.append(r["command"])
             machine = r["machine"]
+    text = costs(results_dir)
     if not rows:
-        return "No speed runs yet.\n"
-    text = (f"Head `checkpoints/{head}` on its fp32 target, one process per run, every method timed side by side "
+        return text + "\nNo headline speed runs yet.\n"
+    text += (f"\nHead `checkpoints/{head}` on its fp32 target, one process per run, every method timed side by side "
             f"after a warm-up on {machine['cpu']} ({machine['cores']} cores, torch {machine['torch']}).\n\n")
     text += markdown_table(["bench", "T", "prompts", "max new", "τ", "speedup vs HF generate", "tokens/s",
                             "HF generate tokens/s", "prompt lookup speedup", "identical", "file"], rows)
@@ -51,6 +52,32 @@ def section(results_dir: Path, head: str) -> str:
                  f"budget): [{(ablation / 'ablation.md').as_posix()}]({(ablation / 'ablation.md').as_posix()})"
                  f"\n\n![ablation]({(ablation / 'ablation.png').as_posix()})\n")
     return text
+
+
+def costs(results_dir: Path) -> str:
+    """Engine ceiling and pipeline throughput, from ``engine.json`` and ``pipeline-throughput.json`` when present."""
+    lines = []
+    engine = results_dir / "engine.json"
+    if engine.is_file():
+        e = json.loads(engine.read_text())
+        best = max(e["oracle"].items(), key=lambda kv: kv[1]["speedup_vs_generate"])
+        lines.append(f"- Engine ([{engine.as_posix()}]({engine.as_posix()})): one transformers `generate` step costs "
+                     f"{e['generate_step_s'] * 1000:.0f} ms, our plain loop's {e['own_loop_step_s'] * 1000:.0f} ms, "
+                     f"a speculative cycle (untrained head, {e['tree']['total_tokens']}-node tree) "
+                     f"{e['untrained_cycle_s'] * 1000:.0f} ms; an oracle drafter (the head's ceiling) reaches "
+                     f"{best[1]['speedup_vs_generate']:.2f}x over `generate` ({best[0].replace('_', ' ')}).")
+    pipeline = results_dir / "pipeline-throughput.json"
+    if pipeline.is_file():
+        r = json.loads(pipeline.read_text())
+        feats = ", ".join(f"{f['tokens_per_s']:.0f} tokens/s in {f['compute_dtype']}" for f in r["features"])
+        train = ", ".join(f"K={t['steps']} {'bf16' if t['mixed_precision'] == 'bf16' else 'fp32'} "
+                          f"{t['tokens_per_s']:.0f}" for t in r["training"])
+        lines.append(f"- Training pipeline ([{pipeline.as_posix()}]({pipeline.as_posix()})): features {feats}; "
+                     f"training tokens/s {train}.")
+    if not lines:
+        return ""
+    machine = json.loads((engine if engine.is_file() else pipeline).read_text())["machine"]
+    return f"On {machine['cpu']} ({machine['cores']} cores):\n\n" + "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
