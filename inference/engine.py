@@ -7,6 +7,7 @@
 2. **Ceiling.** An oracle drafter proposes exactly the tokens greedy decoding will produce, as a chain of ``d = 1..8``
    tokens and inside a tree of the default size; the speedup over transformers' ``generate`` is the most any head can
    give with this engine on this machine.
+3. **Forward-cost curve.** One target forward over ``n`` new tokens, which decides how large a tree pays off.
 
 All timings come from one process, methods interleaved per prompt after a warm-up. Writes
 ``benchmarks/results/engine.json`` and ``engine.md``.
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from griffin import DraftConfig, DraftModel, SpecGenerator
+from griffin.autotune import forward_cost
 from griffin.drafters import OracleDrafter
 from griffin.io import atomic_write_json, atomic_write_text
 from griffin.plain import plain_generate
@@ -38,6 +40,7 @@ PROMPTS = [  # generic requests, not evaluation questions
     "What are the health benefits of drinking water?",
 ]
 RESULTS = Path("benchmarks/results")
+COST_SIZES = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 32, 48, 64]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -107,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             outputs.append(speculative(ids, f"oracle_chain_{d}", OracleDrafter(reference, depth=d)).sequences)
         if not all(torch.equal(o, ref) for o in outputs):
             raise RuntimeError(f"speculative output differs from transformers' generate on {prompt!r}")
+    curve = forward_cost(gen, COST_SIZES)  # one target forward over n new tokens after 256 cached ones
     plain_step = seconds["generate"] / tokens["generate"]
     own_step = seconds["own_loop"] / tokens["own_loop"]
     cycle = seconds["untrained_head"] / cycles["untrained_head"]
@@ -122,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                           "speedup_vs_generate": seconds["generate"] / seconds[name]}
                    for name in methods if name.startswith("oracle")},
         "own_loop_speedup_vs_generate": seconds["generate"] / seconds["own_loop"],
+        "forward_cost_s": curve,
         "seconds": seconds, "tokens": tokens, "machine": machine_info(), "command": command_line("inference.engine"),
     }
     out_dir = Path(args.out_dir)
@@ -142,12 +147,17 @@ def table(r: dict) -> str:
     oracle = markdown_table(["oracle drafter", "τ", "tokens/s", "speedup vs generate"], [
         [name.replace("oracle_", "").replace("_", " "), o["tau"], o["tokens_per_s"], o["speedup_vs_generate"]]
         for name, o in r["oracle"].items()])
+    costs_n = list(r["forward_cost_s"].values())
+    curve = markdown_table(["new tokens n", *map(str, r["forward_cost_s"])],
+                           [["ms", *(v * ms for v in costs_n)],
+                            ["relative to n=1", *(v / costs_n[0] for v in costs_n)]])
     m = r["machine"]
     return (f"# Engine: cycle overhead and ceiling\n\nTarget {r['target']} ({r['dtype']}), {len(r['prompts'])} "
             f"generic prompts, up to {r['max_new_tokens']} new tokens, greedy; tree {r['tree']}, untrained GRIFFIN "
             f"head with a {r['draft_vocab'] or 'full'} draft vocabulary. Every output equals transformers' "
-            f"`generate`.\n\n## Cost of one step\n\n{costs}\n## Ceiling: oracle drafts\n\n{oracle}\nCommand: "
-            f"`{r['command']}`\n\nMachine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['date']}.\n")
+            f"`generate`.\n\n## Cost of one step\n\n{costs}\n## Ceiling: oracle drafts\n\n{oracle}\n"
+            f"## Target forward cost by number of new tokens (256 cached)\n\n{curve}\nCommand: `{r['command']}`\n\n"
+            f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['date']}.\n")
 
 
 if __name__ == "__main__":
