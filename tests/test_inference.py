@@ -152,3 +152,14 @@ def test_the_shipped_head_is_the_default_and_accepts_drafts(embedded):
         assert torch.equal(result.sequences, model.generate(ids[None], max_new_tokens=48, do_sample=False))
         new, cycles = new + result.stats.new_tokens - 1, cycles + result.stats.cycles
     assert new / cycles > 1.5  # a trained head: drafts are accepted (an untrained one gives about 1.0)
+
+
+def test_engine_benchmark_on_a_tiny_target(tmp_path, tiny_target_dir):
+    res = run_module("inference.engine", "--target", str(tiny_target_dir), "--max-new-tokens", "12", "--max-chain",
+                     "2", "--draft-vocab", "0", "--out-dir", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    result = json.loads((tmp_path / "engine.json").read_text())
+    assert set(result["oracle"]) == {"oracle_tree", "oracle_chain_1", "oracle_chain_2"}
+    assert result["oracle"]["oracle_chain_2"]["tau"] > result["oracle"]["oracle_chain_1"]["tau"] > 1
+    assert result["untrained_cycle_s"] > 0 and result["forward_cost_s"]["1"] > 0
+    assert "## Ceiling" in (tmp_path / "engine.md").read_text()
