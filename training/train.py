@@ -289,8 +289,9 @@ class Trainer:
         totals = acc.reduce(totals, reduction="sum")
         sums, counts, top1, topk = totals.tolist()
         first = max(counts[0], 1)
+        report_k = acc.unwrap_model(self.objective).report_k
         passes = [{"pass": k + 1, "loss": sums[k] / max(counts[k], 1), "top1": top1[k] / max(counts[k], 1),
-                   f"top{self.args.topk or 3}": topk[k] / max(counts[k], 1), "kept": counts[k] / first,
+                   f"top{report_k}": topk[k] / max(counts[k], 1), "kept": counts[k] / first,
                    "positions": int(counts[k])} for k in range(self.args.steps)]
         record = {"epoch": epoch, "updates": self.progress["updates"], "tokens": self.progress["tokens"],
                   "train_seconds": round(self.progress["seconds"], 1),
