@@ -33,8 +33,9 @@ def machine_info() -> dict:
     return info
 
 
-def command_line(module: str) -> str:
-    return f"python -m {module} " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+def command_line(module: str, argv: list[str] | None = None) -> str:
+    """The command that reproduces a run: ``argv`` when a module's main() was called with it, else sys.argv."""
+    return f"python -m {module} " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:

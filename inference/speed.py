@@ -59,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=str(RESULTS))
     p.add_argument("--tag", default=None, help="name of the draft in file names (default: the head folder's name)")
     args = p.parse_args(argv)
+    args.argv = argv  # recorded as the command (None: sys.argv)
     methods = [m for m in args.methods.split(",") if m]
     if "ours" not in methods or any(m not in METHODS for m in methods):
         p.error(f"--methods must include ours and only name {', '.join(METHODS)}")
@@ -161,7 +162,7 @@ def summarise(records: list[dict], args: argparse.Namespace, bench: str, gen: Sp
         result["prompt_lookup_tokens_per_s"] = tokens["prompt_lookup"] / seconds["prompt_lookup"]
     result["seconds"] = seconds
     result["machine"] = machine_info()
-    result["command"] = command_line("inference.speed")
+    result["command"] = command_line("inference.speed", args.argv)
     return result
 
 
@@ -216,7 +217,7 @@ def run_bench(bench: str, gen: SpecGenerator, runner: Runner, args: argparse.Nam
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{bench}-{tag}-T{args.temperature:g}"
     questions = load_questions(bench, args.limit)
-    settings = {k: v for k, v in vars(args).items() if k not in ("bench", "out_dir")} | {"bench": bench}
+    settings = {k: v for k, v in vars(args).items() if k not in ("bench", "out_dir", "argv")} | {"bench": bench}
     partial = out_dir / f".{stem}.partial.jsonl"
     records = load_partial(partial, json.loads(json.dumps(settings)))
     done = {r["question_id"] for r in records}

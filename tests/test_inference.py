@@ -73,6 +73,7 @@ def test_speed_run_writes_results(tmp_path, embedded):
                 "machine", "command"):
         assert key in result, key
     assert result["identical_fraction"] == 1.0 and result["n_prompts"] == 1
+    assert result["command"].startswith("python -m inference.speed --bench gsm8k --draft")
     assert (tmp_path / "results" / "gsm8k-head-T0.md").read_text().startswith("# gsm8k")
     answer = json.loads((tmp_path / "results" / "answers" / "gsm8k-head-T0.jsonl").read_text())
     assert answer["question_id"] == 0 and len(answer["choices"][0]["turns"]) == 1
