@@ -33,13 +33,14 @@ CALIBRATION = [
     "What are the health benefits of drinking water?",
 ]
 MAX_DEPTH, MAX_TOTAL = 8, 64
+TOTALS = list(range(1, 17)) + list(range(18, MAX_TOTAL + 1, 2))  # every small tree; larger ones in steps of 2
 
 
 def _key(gen) -> str:
     weight = gen.draft.fusion.fc.weight.detach().float().cpu().numpy().tobytes()
     parts = [target_fingerprint(gen.target.config), str(gen.lm_head.weight.dtype), str(gen.device),
              platform.processor() or platform.machine(), str(torch.get_num_threads()), str(gen.top_k),
-             hashlib.sha256(weight).hexdigest()[:16]]
+             str(gen.weight_major.max_rows), hashlib.sha256(weight).hexdigest()[:16]]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 
@@ -84,8 +85,7 @@ def autotune(gen, max_new_tokens: int = 96) -> tuple[int, int, int]:
         choice = json.loads(path.read_text())
         return choice["depth"], choice["top_k"], choice["total_tokens"]
     log.info("tuning the tree size for this machine and head (once; cached in %s)", path)
-    sizes = list(range(1, MAX_TOTAL + 2, 2))  # 1 root + an even number of nodes
-    costs = forward_cost(gen, sizes)
+    costs = forward_cost(gen, [1] + [total + 1 for total in TOTALS])  # the root and `total` drafted nodes
     saved = gen.depth, gen.total_tokens
     gen.depth, gen.total_tokens = MAX_DEPTH, MAX_TOTAL
     trace: list = []
@@ -107,7 +107,7 @@ def autotune(gen, max_new_tokens: int = 96) -> tuple[int, int, int]:
     best = None
     table = []
     for depth in range(1, MAX_DEPTH + 1):
-        for total in range(2, MAX_TOTAL + 1, 2):
+        for total in TOTALS:
             tau = expected_tau(trace, total, depth)
             speedup = tau * costs[1] / (costs[total + 1] + depth * per_level)
             table.append({"depth": depth, "total_tokens": total, "tau": tau, "speedup": speedup})

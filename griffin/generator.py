@@ -8,6 +8,7 @@ accepted tokens before drafting again.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -20,6 +21,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from .chat import prompt_ids
 from .draft import DraftModel
 from .drafters import HeadDrafter
+from .kernels import WeightMajorLinears, default_max_rows
 from .kv_cache import BufferCache
 from .sampling import SamplingConfig, accept_greedy, accept_sampling, sample_token
 from .target import EMBEDDED_TARGET, load_target, resolve_dtype
@@ -78,7 +80,8 @@ class _Clock:
 
 class SpecGenerator:
     def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, draft: DraftModel, depth: int = 5,
-                 top_k: int = 8, total_tokens: int = 24, draft_dtype: torch.dtype | None = None):
+                 top_k: int = 8, total_tokens: int = 24, draft_dtype: torch.dtype | None = None,
+                 weight_major_rows: int | None = None):
         for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -90,19 +93,25 @@ class SpecGenerator:
         self.lm_head = target.get_output_embeddings()
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.num_layers = target.config.get_text_config().num_hidden_layers
+        if weight_major_rows is None:
+            weight_major_rows = default_max_rows(self.device)
+        self.weight_major = WeightMajorLinears(target, weight_major_rows)  # see griffin.kernels
         self.draft_path: Path | None = None  # the folder the head was loaded from, if any
 
     @classmethod
     def from_pretrained(cls, target: str | os.PathLike | PreTrainedModel = EMBEDDED_TARGET,
                         draft: str | os.PathLike | DraftModel | None = None, *, depth: int = 5, top_k: int = 8,
-                        total_tokens: int | str = 24, dtype: str | torch.dtype | None = None,
+                        total_tokens: int | str = "auto", dtype: str | torch.dtype | None = None,
                         device: str | torch.device | None = None, draft_dtype: str | torch.dtype | None = "auto",
-                        tokenizer: PreTrainedTokenizerBase | None = None) -> SpecGenerator:
+                        tokenizer: PreTrainedTokenizerBase | None = None,
+                        weight_major_rows: int | None = None) -> SpecGenerator:
         """``target``: a name (``smollm2-135m-instruct``), a local HF folder or a loaded model; ``draft``: a head
         folder, a :class:`DraftModel`, or None for the head shipped for the target. ``total_tokens="auto"`` picks the
         tree size and depth that maximise the expected speedup on this machine (measured once, then cached).
         ``draft_dtype="auto"`` runs the head in bf16 where the hardware computes it natively (see
-        :func:`fast_draft_dtype`); the head's dtype changes which tokens are drafted, never the output."""
+        :func:`fast_draft_dtype`); the head's dtype changes which tokens are drafted, never the output.
+        ``weight_major_rows``: verification passes of up to this many tokens compute the target's linear layers
+        weight-major (:mod:`griffin.kernels`; default 8 on CPU, 0 = off elsewhere)."""
         if isinstance(target, PreTrainedModel):
             model = target.eval()
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(model.config._name_or_path)
@@ -120,7 +129,7 @@ class SpecGenerator:
         if draft_dtype == "auto":
             draft_dtype = fast_draft_dtype(next(model.parameters()).device)
         gen = cls(model, tokenizer, draft, depth=depth, top_k=top_k, total_tokens=1 if total_tokens == "auto" else
-                  total_tokens, draft_dtype=resolve_dtype(draft_dtype))
+                  total_tokens, draft_dtype=resolve_dtype(draft_dtype), weight_major_rows=weight_major_rows)
         gen.draft_path = draft_path
         if total_tokens == "auto":
             from .autotune import autotune
@@ -164,10 +173,12 @@ class SpecGenerator:
         dtype = self.lm_head.weight.dtype
         mask = torch.zeros(1, 1, q, ctx + q, dtype=dtype, device=self.device)
         mask[0, 0, :, ctx:].masked_fill_(~tree_mask, torch.finfo(dtype).min)
-        out = self.decoder(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask,
-                           past_key_values=cache, use_cache=True)
-        hidden = out.last_hidden_state[0]  # [q, H] == hidden_states[-1]
-        return hidden, self.lm_head(hidden[-1:] if last_logits_only else hidden)
+        small = 2 <= q <= self.weight_major.max_rows
+        with self.weight_major if small else contextlib.nullcontext():
+            hidden = self.decoder(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask,
+                                  past_key_values=cache, use_cache=True).last_hidden_state[0]  # [q, H]
+            logits = self.lm_head(hidden[-1:] if last_logits_only else hidden)
+        return hidden, logits
 
     # --- generation ----------------------------------------------------------------------------------------------
 

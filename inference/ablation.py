@@ -4,7 +4,8 @@
     python -m inference.ablation                # only rebuild the report from existing results
 
 Heads are ``checkpoints/<target>-<name>`` for the names below; every head uses the same tree and generation settings.
-Writes ``benchmarks/results/ablation/ablation.md`` (table) and ``ablation.png`` (plot) beside the runs.
+The runs go to ``benchmarks/results/ablation/``; the report to ``benchmarks/results/ablation.md`` (table) and
+``ablation.png`` (plot).
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--results", default="benchmarks/results/ablation",
                    help="folder of the ablation's speed runs and report (apart from the headline runs, whose tree "
                         "may be tuned per head)")
+    p.add_argument("--report", default="benchmarks/results/ablation.md", help="the table; the plot goes beside it")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--depth", type=int, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--total-tokens", default=None)
+    p.add_argument("--depth", type=int, default=5, help="one fixed tree for every head (not tuned per head)")
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--total-tokens", type=int, default=24)
     p.add_argument("--benches", default=",".join(BENCHES), help="benches to run (the report shows all it finds)")
     p.add_argument("--heads", default=",".join(HEADS.values()),
                    help="checkpoint suffixes to run (split them over several processes to use more cores)")
@@ -132,7 +134,7 @@ def plot(args, taus: dict, columns: list) -> None:
     ax.set_title("Draft heads on SmolLM2-135M-Instruct (same data and budget)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    atomic_write(Path(args.results) / "ablation.png", lambda p: fig.savefig(p, format="png", dpi=120))
+    atomic_write(Path(args.report).with_suffix(".png"), lambda p: fig.savefig(p, format="png", dpi=120))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.run:
         run_missing(args, temperatures)
     text = report(args, temperatures)
-    atomic_write_text(Path(args.results) / "ablation.md", text)
+    atomic_write_text(Path(args.report), text)
     print(text)
     return 0
 

@@ -7,7 +7,9 @@
 2. **Ceiling.** An oracle drafter proposes exactly the tokens greedy decoding will produce, as a chain of ``d = 1..8``
    tokens and inside a tree of the default size; the speedup over transformers' ``generate`` is the most any head can
    give with this engine on this machine.
-3. **Forward-cost curve.** One target forward over ``n`` new tokens, which decides how large a tree pays off.
+3. **Forward-cost curve.** One target forward over ``n`` new tokens, which decides how large a tree pays off; with
+   the linear layers as transformers computes them (``F.linear``) and as verification computes them on CPU (weight-major
+   for a few rows, :mod:`griffin.kernels`).
 
 All timings come from one process, methods interleaved per prompt after a warm-up. Writes
 ``benchmarks/results/engine.json`` and ``engine.md``.
@@ -110,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
             outputs.append(speculative(ids, f"oracle_chain_{d}", OracleDrafter(reference, depth=d)).sequences)
         if not all(torch.equal(o, ref) for o in outputs):
             raise RuntimeError(f"speculative output differs from transformers' generate on {prompt!r}")
-    curve = forward_cost(gen, COST_SIZES)  # one target forward over n new tokens after 256 cached ones
+    # one target forward over n new tokens after 256 cached ones, with and without weight-major small matmuls
+    as_transformers = SpecGenerator(model, tokenizer, head, weight_major_rows=0)
+    curves = {"F.linear": forward_cost(as_transformers, COST_SIZES)}
+    if gen.weight_major.max_rows:
+        curves[f"weight-major up to {gen.weight_major.max_rows} rows"] = forward_cost(gen, COST_SIZES)
     plain_step = seconds["generate"] / tokens["generate"]
     own_step = seconds["own_loop"] / tokens["own_loop"]
     cycle = seconds["untrained_head"] / cycles["untrained_head"]
@@ -126,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                           "speedup_vs_generate": seconds["generate"] / seconds[name]}
                    for name in methods if name.startswith("oracle")},
         "own_loop_speedup_vs_generate": seconds["generate"] / seconds["own_loop"],
-        "forward_cost_s": curve,
+        "forward_cost_s": curves,
         "seconds": seconds, "tokens": tokens, "machine": machine_info(), "command": command_line("inference.engine"),
     }
     out_dir = Path(args.out_dir)
@@ -147,10 +153,13 @@ def table(r: dict) -> str:
     oracle = markdown_table(["oracle drafter", "τ", "tokens/s", "speedup vs generate"], [
         [name.replace("oracle_", "").replace("_", " "), o["tau"], o["tokens_per_s"], o["speedup_vs_generate"]]
         for name, o in r["oracle"].items()])
-    costs_n = list(r["forward_cost_s"].values())
-    curve = markdown_table(["new tokens n", *map(str, r["forward_cost_s"])],
-                           [["ms", *(v * ms for v in costs_n)],
-                            ["relative to n=1", *(v / costs_n[0] for v in costs_n)]])
+    rows = []
+    for kernel, costs_n in r["forward_cost_s"].items():
+        first = next(iter(costs_n.values()))
+        rows += [[f"ms ({kernel})", *(v * ms for v in costs_n.values())],
+                 [f"relative to n=1 ({kernel})", *(v / first for v in costs_n.values())]]
+    sizes = next(iter(r["forward_cost_s"].values()))
+    curve = markdown_table(["new tokens n", *map(str, sizes)], rows)
     m = r["machine"]
     return (f"# Engine: cycle overhead and ceiling\n\nTarget {r['target']} ({r['dtype']}), {len(r['prompts'])} "
             f"generic prompts, up to {r['max_new_tokens']} new tokens, greedy; tree {r['tree']}, untrained GRIFFIN "

@@ -31,27 +31,31 @@ def section(results_dir: Path, head: str) -> str:
             if not path.is_file():
                 continue
             r = json.loads(path.read_text())
-            rows.append([bench, r["temperature"], r["n_prompts"], r["max_new_tokens"], r["tau"],
+            rows.append([bench, r["temperature"], r["n_prompts"], r["max_new_tokens"], tree_text(r["tree"]), r["tau"],
                          f"{r['speedup']:.2f}x" if "speedup" in r else "-",
                          f"{r['tokens_per_s']:.1f}", f"{r['baseline_tokens_per_s']:.1f}" if "speedup" in r else "-",
                          f"{r['peers']['prompt_lookup']:.2f}x" if "peers" in r else "-",
                          r.get("identical_fraction", "-"), f"[json]({path.as_posix()})"])
             commands.append(r["command"])
             machine = r["machine"]
-    text = costs(results_dir)
     if not rows:
-        return text + "\nNo headline speed runs yet.\n"
-    text += (f"\nHead `checkpoints/{head}` on its fp32 target, one process per run, every method timed side by side "
+        return "No headline speed runs yet.\n\n" + costs(results_dir)
+    text = (f"Head `checkpoints/{head}` on its fp32 target, one process per run, every method timed side by side "
             f"after a warm-up on {machine['cpu']} ({machine['cores']} cores, torch {machine['torch']}).\n\n")
-    text += markdown_table(["bench", "T", "prompts", "max new", "τ", "speedup vs HF generate", "tokens/s",
+    text += markdown_table(["bench", "T", "prompts", "max new", "tree", "τ", "speedup vs HF generate", "tokens/s",
                             "HF generate tokens/s", "prompt lookup speedup", "identical", "file"], rows)
     text += "\nτ: new tokens per target forward pass. Commands:\n\n" + "".join(f"- `{c}`\n" for c in commands)
-    ablation = results_dir / "ablation"
-    if (ablation / "ablation.md").is_file():
-        text += ("\nAblation (GRIFFIN vs w/o TAT, w/o TAD, HASS and EAGLE-2 heads trained on the same data and "
-                 f"budget): [{(ablation / 'ablation.md').as_posix()}]({(ablation / 'ablation.md').as_posix()})"
-                 f"\n\n![ablation]({(ablation / 'ablation.png').as_posix()})\n")
-    return text
+    ablation = results_dir / "ablation.md"
+    if ablation.is_file():
+        table = "".join(line + "\n" for line in ablation.read_text().splitlines() if line.startswith("|"))
+        text += ("\nAblation: acceptance length τ of heads trained on the same data and budget, all with the same "
+                 f"tree ([{ablation.as_posix()}]({ablation.as_posix()})):\n\n{table}"
+                 f"\n![ablation]({ablation.with_suffix('.png').as_posix()})\n")
+    return text + "\n" + costs(results_dir)
+
+
+def tree_text(tree: dict) -> str:
+    return f"{tree['total_tokens']} nodes, depth {tree['depth']}"
 
 
 def costs(results_dir: Path) -> str:
@@ -66,6 +70,13 @@ def costs(results_dir: Path) -> str:
                      f"a speculative cycle (untrained head, {e['tree']['total_tokens']}-node tree) "
                      f"{e['untrained_cycle_s'] * 1000:.0f} ms; an oracle drafter (the head's ceiling) reaches "
                      f"{best[1]['speedup_vs_generate']:.2f}x over `generate` ({best[0].replace('_', ' ')}).")
+        curves = e["forward_cost_s"]
+        if isinstance(curves, dict) and len(curves) == 2:
+            (plain_name, plain), (fast_name, fast) = curves.items()
+            lines.append(f"- Verifying n tokens in one target forward ({plain_name} -> {fast_name}): n=4 costs "
+                         f"{plain['4'] / plain['1']:.2f}x -> {fast['4'] / plain['1']:.2f}x a one-token step, n=8 "
+                         f"{plain['8'] / plain['1']:.2f}x -> {fast['8'] / plain['1']:.2f}x, n=25 "
+                         f"{plain['25'] / plain['1']:.2f}x.")
     pipeline = results_dir / "pipeline-throughput.json"
     if pipeline.is_file():
         r = json.loads(pipeline.read_text())

@@ -23,8 +23,8 @@ PROMPTS = [
     "Summarise the plot of Cinderella.", "What is the boiling point of water?", "Tell me a fun fact about owls.",
     "Write a Python function that adds two numbers.", "What colour do you get by mixing blue and yellow?",
 ]
-SHAPES = [(5, 8, 24), (3, 4, 8), (6, 10, 60), (1, 2, 2)]  # depth, top_k, total_tokens
-SMALL_SHAPES = [(5, 8, 24), (3, 4, 8), (4, 6, 16), (1, 2, 2)]
+SHAPES = [(5, 8, 24), (3, 4, 7), (6, 10, 60), (1, 2, 2)]  # depth, top_k, total_tokens (7 and 2: weight-major verify)
+SMALL_SHAPES = [(5, 8, 24), (3, 4, 7), (4, 6, 16), (1, 8, 3)]
 
 
 class NoTokenizer:

@@ -101,16 +101,17 @@ def test_ablation_report_and_readme_section(tmp_path):
                                                                                 3.0 - 0.2 * i)))
                 if suffix == "griffin":  # the headline runs of the shipped head
                     (results / name).write_text(json.dumps(fake_result(bench, suffix, float(t), 3.5)))
-    assert ablation.main(["--results", str(results / "ablation")]) == 0
-    report = (results / "ablation" / "ablation.md").read_text()
+    assert ablation.main(["--results", str(results / "ablation"), "--report", str(results / "ablation.md")]) == 0
+    report = (results / "ablation.md").read_text()
     assert "| GRIFFIN | 3.00 |" in report and "1.364x" in report  # 3.0 / 2.2 against EAGLE-2
-    assert (results / "ablation" / "ablation.png").stat().st_size > 1000
+    assert (results / "ablation.png").stat().st_size > 1000
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- results:start -->\nold\n<!-- results:end -->\nrest\n")
     assert headline.main(["--readme", str(readme), "--results", str(results)]) == 0
     text = readme.read_text()
-    assert "old" not in text and "| mt_bench | 0.00 | 80 | 128 | 3.50 |" in text and text.endswith("rest\n")
-    assert "ablation/ablation.md" in text
+    assert "old" not in text and text.endswith("rest\n")
+    assert "| mt_bench | 0.00 | 80 | 128 | 24 nodes, depth 5 | 3.50 |" in text
+    assert "ablation.md)" in text and "| GRIFFIN | 3.00 |" in text
 
 
 def test_export_writes_fp16_weights_and_a_card(tmp_path, tiny_target_dir):
@@ -162,5 +163,5 @@ def test_engine_benchmark_on_a_tiny_target(tmp_path, tiny_target_dir):
     result = json.loads((tmp_path / "engine.json").read_text())
     assert set(result["oracle"]) == {"oracle_tree", "oracle_chain_1", "oracle_chain_2"}
     assert result["oracle"]["oracle_chain_2"]["tau"] > result["oracle"]["oracle_chain_1"]["tau"] > 1
-    assert result["untrained_cycle_s"] > 0 and result["forward_cost_s"]["1"] > 0
+    assert result["untrained_cycle_s"] > 0 and result["forward_cost_s"]["F.linear"]["1"] > 0
     assert "## Ceiling" in (tmp_path / "engine.md").read_text()

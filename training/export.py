@@ -61,9 +61,10 @@ def card(name: str, dst: Path, head: DraftModel, report: dict, results: list[dic
     lines += ["`kept`: fraction of positions still in the loss at that pass (the alignment mask).", ""]
     if results:
         lines += ["## Measured acceptance length and speed", ""]
-        rows = [[r["bench"], r["temperature"], r["n_prompts"], r["max_new_tokens"], r["tau"],
+        rows = [[r["bench"], r["temperature"], r["n_prompts"], r["max_new_tokens"],
+                 f"{r['tree']['total_tokens']} nodes, depth {r['tree']['depth']}", r["tau"],
                  r.get("speedup", "-"), r.get("identical_fraction", "-"), r["machine"]["date"]] for r in results]
-        lines.append(markdown_table(["bench", "T", "prompts", "max new", "τ", "speedup vs HF generate",
+        lines.append(markdown_table(["bench", "T", "prompts", "max new", "tree", "τ", "speedup vs HF generate",
                                      "identical", "measured"], rows))
         lines += ["Commands:", ""] + [f"- `{r['command']}`" for r in results] + [""]
     lines += ["## Use", "", "```python", "from griffin import SpecGenerator",
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("src", help="trained head folder (output of training.train)")
     p.add_argument("dst", help="destination folder, e.g. checkpoints/<target>-<method>")
     p.add_argument("--name", default=None, help="the method's name in the card")
-    p.add_argument("--results", default="benchmarks/results", help="folder of speed-run results")
+    p.add_argument("--results", nargs="+", default=["benchmarks/results", "benchmarks/results/ablation"],
+                   help="folders of speed-run results")
     p.add_argument("--notes", default="", help="a sentence for the card's training section (e.g. the recipe)")
     args = p.parse_args(argv)
     src, dst = Path(args.src), Path(args.dst)
@@ -100,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         head.save_pretrained(dst, dtype=torch.float16)
         atomic_write(dst / VALIDATION, lambda path: shutil.copyfile(src / VALIDATION, path))
         atomic_write_json(dst / STAGES, stages)
-    results = sorted((json.loads(f.read_text()) for f in Path(args.results).glob(f"*-{dst.name}-T*.json")),
-                     key=lambda r: (r["bench"], r["temperature"]))
+    files = [f for folder in args.results for f in Path(folder).glob(f"*-{dst.name}-T*.json")]
+    results = sorted((json.loads(f.read_text()) for f in files),
+                     key=lambda r: (r["bench"], r["temperature"], r["tree"]["total_tokens"]))
     text = card(args.name or head.config.arch, dst, head, report, results, stages, args.notes)
     atomic_write_text(dst / "README.md", text)
     print(f"exported {src} -> {dst} ({len(results)} speed runs in the card)")

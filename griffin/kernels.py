@@ -1,0 +1,60 @@
+"""Matmul shape for verification passes on CPU.
+
+A verification pass runs the target over a handful of tokens. On CPU, ``F.linear`` (x @ W^T) over 2-8 rows takes a
+slow path: separate matrix-vector products per row, or a general kernel that first repacks the whole weight. Verifying
+four tokens then costs about 1.5x one token (``benchmarks/results/engine.md``). The same product computed weight-major,
+(W @ x^T)^T, reads each weight once for all rows, and four tokens cost less than one.
+
+:class:`WeightMajorLinears` switches a model's ``nn.Linear`` layers to that form while it is entered, for inputs of
+2..``max_rows`` rows; other inputs (one row, a long prompt) take ``F.linear`` as before. The result is the same product
+summed in another order, as any change of batch size already does.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DEFAULT_MAX_ROWS = 8  # beyond this, F.linear's blocked kernel is as fast on the CPUs measured
+
+
+def _weight_major_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    if not 2 <= rows <= self.max_rows:
+        return F.linear(x, self.weight, self.bias)
+    out = (self.weight @ x.reshape(rows, -1).T).T.contiguous()  # [rows, out]
+    if self.bias is not None:
+        out = out + self.bias
+    return out.reshape(*x.shape[:-1], -1)
+
+
+class WeightMajorLinears:
+    """``with WeightMajorLinears(model, max_rows):`` computes the model's linear layers weight-major for small inputs.
+
+    Only plain ``nn.Linear`` modules are switched: quantized or fused subclasses keep their own kernels, and modules
+    whose ``forward`` is already wrapped (accelerate's offload hooks) are left alone. Nothing is switched when
+    ``max_rows`` < 2. Entering and leaving costs one attribute write per layer.
+    """
+
+    def __init__(self, model: nn.Module, max_rows: int):
+        self.max_rows = max_rows
+        self.linears = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m)
+                        and m.weight.device.type != "meta"] if max_rows >= 2 else []
+
+    def __enter__(self) -> WeightMajorLinears:
+        for m in self.linears:
+            m.max_rows = self.max_rows
+            m.forward = types.MethodType(_weight_major_forward, m)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m in self.linears:
+            del m.forward, m.max_rows
+
+
+def default_max_rows(device: torch.device) -> int:
+    """Weight-major small matmuls on CPU; GPUs' BLAS already handles a few rows well (0: off)."""
+    return DEFAULT_MAX_ROWS if device.type == "cpu" else 0

@@ -1,0 +1,56 @@
+"""Weight-major linear layers for small verification passes: same values as F.linear, scoped, restored on exit."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from griffin.kernels import WeightMajorLinears, default_max_rows
+from tests.conftest import tiny_model
+
+
+class Quantized(nn.Linear):
+    """Stands for a linear subclass with its own kernel, which must be left alone."""
+
+
+def test_small_inputs_are_computed_weight_major_and_others_by_f_linear(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 96), nn.Linear(96, 32, bias=False), Quantized(32, 8)).eval()
+    calls = []
+    real_linear = F.linear
+
+    def counting_linear(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real_linear(*args, **kwargs)
+
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 8, 9, 20):
+            x = torch.randn(1, rows, 48)
+            expected = model(x)
+            calls.clear()
+            with monkeypatch.context() as patch:
+                patch.setattr(F, "linear", counting_linear)
+                with WeightMajorLinears(model, max_rows=8):
+                    got = model(x)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            switched = 2 <= rows <= 8
+            assert len(calls) == (1 if switched else 3), rows  # only the subclass keeps F.linear when switched
+            if not switched:
+                assert torch.equal(got, expected)
+    assert all("forward" not in vars(m) for m in model)  # the modules' own forward is back
+
+
+def test_a_whole_model_gives_the_same_logits_and_nothing_is_switched_when_off():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (1, 5))
+    with torch.inference_mode():
+        expected = model(ids).logits
+        with WeightMajorLinears(model, max_rows=8) as switched:
+            assert len(switched.linears) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer and the LM head
+            torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-4)
+        assert WeightMajorLinears(model, max_rows=0).linears == []
+        hooked = model.lm_head
+        hooked.forward = hooked.forward  # an instance-level forward, as accelerate's hooks install
+        assert hooked not in WeightMajorLinears(model, max_rows=8).linears
+    assert default_max_rows(torch.device("cpu")) >= 2 and default_max_rows(torch.device("meta")) == 0
