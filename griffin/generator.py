@@ -106,12 +106,13 @@ class SpecGenerator:
                         tokenizer: PreTrainedTokenizerBase | None = None,
                         weight_major_rows: int | None = None) -> SpecGenerator:
         """``target``: a name (``smollm2-135m-instruct``), a local HF folder or a loaded model; ``draft``: a head
-        folder, a :class:`DraftModel`, or None for the head shipped for the target. ``total_tokens="auto"`` picks the
-        tree size and depth that maximise the expected speedup on this machine (measured once, then cached).
+        folder, a :class:`DraftModel`, or None for the head shipped for the target. ``total_tokens="auto"`` (the
+        default) picks the tree size and depth that maximise the expected speedup on this machine (measured once,
+        then cached), overriding ``depth``; pass an int to fix the tree.
         ``draft_dtype="auto"`` runs the head in bf16 where the hardware computes it natively (see
         :func:`fast_draft_dtype`); the head's dtype changes which tokens are drafted, never the output.
         ``weight_major_rows``: verification passes of up to this many tokens compute the target's linear layers
-        weight-major (:mod:`griffin.kernels`; default 8 on CPU, 0 = off elsewhere)."""
+        weight-major (:mod:`griffin.kernels`; default 8 on CPU and 0, off, on GPUs)."""
         if isinstance(target, PreTrainedModel):
             model = target.eval()
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(model.config._name_or_path)
