@@ -71,7 +71,7 @@ def costs(results_dir: Path) -> str:
                      f"{e['untrained_cycle_s'] * 1000:.0f} ms; an oracle drafter (the head's ceiling) reaches "
                      f"{best[1]['speedup_vs_generate']:.2f}x over `generate` ({best[0].replace('_', ' ')}).")
         curves = e["forward_cost_s"]
-        if isinstance(curves, dict) and len(curves) == 2:
+        if len(curves) == 2:  # F.linear and weight-major
             (plain_name, plain), (fast_name, fast) = curves.items()
             lines.append(f"- Verifying n tokens in one target forward ({plain_name} -> {fast_name}): n=4 costs "
                          f"{plain['4'] / plain['1']:.2f}x -> {fast['4'] / plain['1']:.2f}x a one-token step, n=8 "
