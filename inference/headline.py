@@ -17,7 +17,7 @@ from griffin.io import atomic_write_text
 from training.cli import run_cli
 
 from .questions import BENCHES
-from .report import markdown_table
+from .report import markdown_table, tree_text
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
@@ -52,10 +52,6 @@ def section(results_dir: Path, head: str) -> str:
                  f"tree ([{ablation.as_posix()}]({ablation.as_posix()})):\n\n{table}"
                  f"\n![ablation]({ablation.with_suffix('.png').as_posix()})\n")
     return text + "\n" + costs(results_dir)
-
-
-def tree_text(tree: dict) -> str:
-    return f"{tree['total_tokens']} nodes, depth {tree['depth']}"
 
 
 def costs(results_dir: Path) -> str:

@@ -38,6 +38,11 @@ def command_line(module: str, argv: list[str] | None = None) -> str:
     return f"python -m {module} " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
 
 
+def tree_text(tree: dict) -> str:
+    """A speed run's tree settings, as tables show them."""
+    return f"{tree['total_tokens']} nodes, depth {tree['depth']}"
+
+
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     def cell(value) -> str:
         if isinstance(value, float):

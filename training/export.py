@@ -19,7 +19,7 @@ import torch
 
 from griffin.draft import DraftModel
 from griffin.io import atomic_write, atomic_write_json, atomic_write_text
-from inference.report import markdown_table
+from inference.report import markdown_table, tree_text
 
 from .cli import run_cli
 from .train import VALIDATION
@@ -62,7 +62,7 @@ def card(name: str, dst: Path, head: DraftModel, report: dict, results: list[dic
     if results:
         lines += ["## Measured acceptance length and speed", ""]
         rows = [[r["bench"], r["temperature"], r["n_prompts"], r["max_new_tokens"],
-                 f"{r['tree']['total_tokens']} nodes, depth {r['tree']['depth']}", r["tau"],
+                 tree_text(r["tree"]), r["tau"],
                  r.get("speedup", "-"), r.get("identical_fraction", "-"), r["machine"]["date"]] for r in results]
         lines.append(markdown_table(["bench", "T", "prompts", "max new", "tree", "τ", "speedup vs HF generate",
                                      "identical", "measured"], rows))
