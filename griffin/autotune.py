@@ -47,20 +47,33 @@ def _key(gen) -> str:
 @torch.inference_mode()
 def forward_cost(gen, sizes: list[int], context: int = 256, repeats: int = 5) -> dict[int, float]:
     """Median seconds of one target forward over n new tokens after ``context`` cached ones."""
-    ids = torch.randint(0, gen.target.config.vocab_size, (context + max(sizes),), device=gen.device)
-    cache = BufferCache(gen.num_layers, context + max(sizes))
-    causal = torch.ones(context, context, dtype=torch.bool, device=gen.device).tril()
-    gen._target_forward(ids[:context], torch.arange(context, device=gen.device), causal, cache, last_logits_only=True)
+    forward = cached_context_forward(gen, context, max(sizes))
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(repeats):
         for n in sizes:  # interleaved, so that machine noise spreads over all sizes
-            mask = torch.ones(n, n, dtype=torch.bool, device=gen.device).tril()
             t0 = time.perf_counter()
-            gen._target_forward(ids[context : context + n], torch.arange(context, context + n, device=gen.device),
-                                mask, cache)
+            forward(n)
             times[n].append(time.perf_counter() - t0)
-            cache.crop(context)
     return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+
+
+@torch.inference_mode()
+def cached_context_forward(gen, context: int, max_new: int):
+    """Prefill ``context`` random tokens; -> ``forward(n)``: one causal target forward over n <= ``max_new`` new
+    tokens on top of them, the cache cropped back to the context afterwards."""
+    ids = torch.randint(0, gen.target.config.vocab_size, (context + max_new,), device=gen.device)
+    cache = BufferCache(gen.num_layers, context + max_new)
+    causal = torch.ones(context, context, dtype=torch.bool, device=gen.device).tril()
+    gen._target_forward(ids[:context], torch.arange(context, device=gen.device), causal, cache, last_logits_only=True)
+
+    @torch.inference_mode()
+    def forward(n: int) -> None:
+        mask = torch.ones(n, n, dtype=torch.bool, device=gen.device).tril()
+        gen._target_forward(ids[context : context + n], torch.arange(context, context + n, device=gen.device),
+                            mask, cache)
+        cache.crop(context)
+
+    return forward
 
 
 def expected_tau(trace: list, total: int, depth: int) -> float:

@@ -55,7 +55,8 @@ def section(results_dir: Path, head: str) -> str:
 
 
 def costs(results_dir: Path) -> str:
-    """Engine ceiling and pipeline throughput, from ``engine.json`` and ``pipeline-throughput.json`` when present."""
+    """Engine ceiling, verification profile and pipeline throughput, from ``engine.json``, ``verify-profile.json`` and
+    ``pipeline-throughput.json`` when present."""
     lines = []
     engine = results_dir / "engine.json"
     if engine.is_file():
@@ -73,6 +74,16 @@ def costs(results_dir: Path) -> str:
                          f"{plain['4'] / plain['1']:.2f}x -> {fast['4'] / plain['1']:.2f}x a one-token step, n=8 "
                          f"{plain['8'] / plain['1']:.2f}x -> {fast['8'] / plain['1']:.2f}x, n=25 "
                          f"{plain['25'] / plain['1']:.2f}x.")
+    profile = results_dir / "verify-profile.json"
+    if profile.is_file():
+        p = json.loads(profile.read_text())
+        n, run = ("4", p["runs"]["4"]) if "4" in p["runs"] else next(iter(p["runs"].items()))
+        parts = ", ".join(f"{group} {seconds * 1000:.1f} ms" for group, seconds in run["groups_s"].items())
+        lines.append(f"- Profile of a {n}-token verification forward ([{profile.as_posix()}]({profile.as_posix()})): "
+                     f"{run['wall_s'] * 1000:.1f} ms unprofiled; profiled, {parts}, outside any operator "
+                     f"{run['unattributed_s'] * 1000:.1f} ms. The matrix products read "
+                     f"{p['linear_weight_bytes'] / 1e6:.0f} MB of weights at "
+                     f"{p['linear_weight_bytes'] / run['groups_s']['matrix products'] / 1e9:.0f} GB/s.")
     pipeline = results_dir / "pipeline-throughput.json"
     if pipeline.is_file():
         r = json.loads(pipeline.read_text())

@@ -83,3 +83,23 @@ def run_module(module: str, *args: str, launcher: list[str] | None = None, timeo
     cmd = (launcher or [sys.executable, "-m"]) + [module, *args]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full_env)
+
+
+def run_main(module: str, *args: str) -> tuple[int, str]:
+    """Run a command's ``main`` in this process as its ``__main__`` would: -> (exit code, what it printed to stderr).
+
+    For the error paths of commands, which a subprocess per case would make slow."""
+    import contextlib
+    import importlib
+    import io
+
+    from training.cli import run_cli
+
+    mod = importlib.import_module(module)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = run_cli(mod.main, getattr(mod, "INPUT_ERRORS", ()), list(args))
+        except SystemExit as exit_:  # argparse's usage errors
+            code = exit_.code
+    return code, err.getvalue()

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import ROOT, run_module
+from tests.conftest import ROOT, run_main, run_module
 from training.store import FeatureStore
 
 
@@ -113,17 +113,17 @@ def test_kill_and_resume_gives_the_same_store(tmp_path, tiny_target_dir):
 def test_rerun_with_other_settings_is_refused(tmp_path, tiny_target_dir):
     data = write_data(tmp_path / "d.json", conversations(3))
     base = ["--target", str(tiny_target_dir), "--data", data, "--out", str(tmp_path / "s")]
-    assert run_module("training.build_features", *base, "--max-len", "128").returncode == 0
-    res = run_module("training.build_features", *base, "--max-len", "100")
-    assert res.returncode == 2 and "max_len" in res.stderr and "Traceback" not in res.stderr
+    assert run_main("training.build_features", *base, "--max-len", "128")[0] == 0
+    code, err = run_main("training.build_features", *base, "--max-len", "100")
+    assert code == 2 and "max_len" in err
 
 
 def test_bad_input_gives_clear_errors_or_counted_skips(tmp_path, tiny_target_dir):
     target = ["--target", str(tiny_target_dir)]
     not_json = tmp_path / "bad.json"
     not_json.write_text("hello")
-    res = run_module("training.build_features", *target, "--data", str(not_json), "--out", str(tmp_path / "a"))
-    assert res.returncode == 2 and "not a JSON list" in res.stderr and "Traceback" not in res.stderr
+    code, err = run_main("training.build_features", *target, "--data", str(not_json), "--out", str(tmp_path / "a"))
+    assert code == 2 and "not a JSON list" in err
 
     res = run_module("training.build_features", "--target", "no-such-model", "--out", str(tmp_path / "b"))
     assert res.returncode == 2 and "unknown target 'no-such-model'" in res.stderr and "Traceback" not in res.stderr
@@ -137,18 +137,18 @@ def test_bad_input_gives_clear_errors_or_counted_skips(tmp_path, tiny_target_dir
         "not an object",
     ]
     data = write_data(tmp_path / "mixed.json", mixed)
-    res = run_module("training.build_features", *target, "--data", data, "--out", str(tmp_path / "c"))
-    assert res.returncode == 0, res.stderr
+    code, err = run_main("training.build_features", *target, "--data", data, "--out", str(tmp_path / "c"))
+    assert code == 0, err
     manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
     assert manifest["num_samples"] == 2
     assert manifest["skipped"] == {"empty": 1, "not_alternating": 1, "starts_with_assistant": 1, "malformed": 2}
 
-    res = run_module("training.build_features", *target, "--data", data, "--out", str(tmp_path / "d"),
-                     "--max-len", "8")
-    assert res.returncode == 2 and "raise --max-len" in res.stderr and "Traceback" not in res.stderr
+    code, err = run_main("training.build_features", *target, "--data", data, "--out", str(tmp_path / "d"),
+                         "--max-len", "8")
+    assert code == 2 and "raise --max-len" in err
 
-    res = run_module("training.build_features", *target, "--out", str(tmp_path / "e"), "--max-len", "0")
-    assert res.returncode == 2 and "--max-len must be at least 1" in res.stderr
+    code, err = run_main("training.build_features", *target, "--out", str(tmp_path / "e"), "--max-len", "0")
+    assert code == 2 and "--max-len must be at least 1" in err
 
 
 def test_two_processes_build_the_same_store(tmp_path, tiny_target_dir):

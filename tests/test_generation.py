@@ -17,11 +17,8 @@ from tests.conftest import tiny_model
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about autumn.", "List three prime numbers.",
     "Explain photosynthesis in one sentence.", "Translate 'good morning' into Spanish.", "What is 12 times 7?",
-    "Give me a tip for learning to cook.", "Who wrote Romeo and Juliet?", "Describe a cat in five words.",
-    "Why is the sky blue?", "Name two planets.", "Write a short greeting for a birthday card.",
-    "What does a compiler do?", "Suggest a name for a pet fish.", "How many legs does a spider have?",
-    "Summarise the plot of Cinderella.", "What is the boiling point of water?", "Tell me a fun fact about owls.",
-    "Write a Python function that adds two numbers.", "What colour do you get by mixing blue and yellow?",
+    "Give me a tip for learning to cook.", "Who wrote Romeo and Juliet?", "Why is the sky blue?",
+    "What does a compiler do?", "Write a Python function that adds two numbers.", "Tell me a fun fact about owls.",
 ]
 SHAPES = [(5, 8, 24), (3, 4, 7), (6, 10, 60), (1, 2, 2)]  # depth, top_k, total_tokens (7 and 2: weight-major verify)
 SMALL_SHAPES = [(5, 8, 24), (3, 4, 7), (4, 6, 16), (1, 8, 3)]
@@ -36,15 +33,16 @@ class NoTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
-def untrained_head(target, arch="griffin", seed=0):
+def untrained_head(target, arch="griffin", seed=0, draft_vocab_size=0):
     torch.manual_seed(seed)
-    return DraftModel(DraftConfig.from_target(target.config, arch=arch))
+    return DraftModel(DraftConfig.from_target(target.config, arch=arch, draft_vocab_size=draft_vocab_size))
 
 
 @pytest.fixture(scope="module")
 def smol_generator(embedded):
     model, tokenizer = embedded
-    return SpecGenerator(model, tokenizer, untrained_head(model))
+    # an untrained head drafts from a reduced vocabulary: cheap drafts, nearly all rejected
+    return SpecGenerator(model, tokenizer, untrained_head(model, draft_vocab_size=8192))
 
 
 def test_greedy_identical_to_transformers_on_embedded_target(smol_generator, embedded):

@@ -165,3 +165,23 @@ def test_engine_benchmark_on_a_tiny_target(tmp_path, tiny_target_dir):
     assert result["oracle"]["oracle_chain_2"]["tau"] > result["oracle"]["oracle_chain_1"]["tau"] > 1
     assert result["untrained_cycle_s"] > 0 and result["forward_cost_s"]["F.linear"]["1"] > 0
     assert "## Ceiling" in (tmp_path / "engine.md").read_text()
+
+
+def test_verify_profile_groups_the_operators_of_one_forward(tmp_path, tiny_target_dir):
+    from inference import verify_profile
+
+    assert verify_profile.main(["--target", str(tiny_target_dir), "--tokens", "1,3", "--repeats", "2",
+                                "--out-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "verify-profile.json").read_text())
+    assert set(result["runs"]) == {"1", "3"}
+    for run in result["runs"].values():
+        groups = run["groups_s"]
+        assert groups["matrix products"] > 0 and groups["attention"] > 0
+        assert sum(groups.values()) <= run["profiled_s"] * 1.01
+        assert run["ops_per_forward"] > 10
+    assert result["linear_weight_bytes"] > 0
+    assert "matrix products' weight bandwidth" in (tmp_path / "verify-profile.md").read_text()
+    assert verify_profile.group_of("aten::mm") == "matrix products"
+    assert verify_profile.group_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert verify_profile.group_of("aten::copy_") == "copies and views"
+    assert verify_profile.group_of("aten::rsqrt").startswith("elementwise")

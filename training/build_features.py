@@ -39,6 +39,7 @@ from .store import (
 )
 
 log = logging.getLogger("build_features")
+INPUT_ERRORS = (StoreError, TemplateError, DataError)  # reported as one line, exit 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -247,4 +248,4 @@ def report(out: Path, manifest: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main, (StoreError, TemplateError, DataError)))
+    sys.exit(run_cli(main, INPUT_ERRORS))

@@ -32,6 +32,7 @@ from .objective import MultiPassObjective, make_batch
 from .store import FeatureStore, StoreError
 
 log = logging.getLogger("train")
+INPUT_ERRORS = (StoreError,)  # reported as one line, exit 2
 STATE = "train_state"
 VALIDATION = "validation.json"
 SPLIT_SEED = 1234  # fixed so that every head trained on a store is validated on the same conversations
@@ -364,5 +365,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main, (StoreError,)))
+    sys.exit(run_cli(main, INPUT_ERRORS))
 
