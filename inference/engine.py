@@ -27,13 +27,12 @@ import torch
 from griffin import DraftConfig, DraftModel, SpecGenerator
 from griffin.autotune import forward_cost
 from griffin.drafters import OracleDrafter
-from griffin.io import atomic_write_json, atomic_write_text
 from griffin.plain import plain_generate
 from griffin.sampling import SamplingConfig
 from griffin.target import EMBEDDED_TARGET, load_target
 from training.cli import run_cli
 
-from .report import command_line, machine_info, markdown_table
+from .report import command_line, machine_info, markdown_table, write_benchmark
 
 PROMPTS = [  # generic requests, not evaluation questions
     "Explain how a bicycle works.",
@@ -135,10 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "forward_cost_s": curves,
         "seconds": seconds, "tokens": tokens, "machine": machine_info(), "command": command_line("inference.engine"),
     }
-    out_dir = Path(args.out_dir)
-    atomic_write_json(out_dir / "engine.json", result)
-    atomic_write_text(out_dir / "engine.md", table(result))
-    print(table(result))
+    write_benchmark(args.out_dir, "engine", result, table(result))
     return 0
 
 

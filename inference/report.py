@@ -1,4 +1,4 @@
-"""Benchmark bookkeeping: machine description, the command line, and markdown tables."""
+"""Benchmark bookkeeping: machine description, the command line, markdown tables, and writing a result."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import platform
 import shlex
 import sys
 from datetime import datetime, timezone
+from pathlib import Path
+
+from griffin.io import atomic_write_json, atomic_write_text
 
 
 def machine_info() -> dict:
@@ -52,3 +55,10 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def write_benchmark(out_dir: str | Path, stem: str, result: dict, markdown: str) -> None:
+    """``<out_dir>/<stem>.json`` and ``<stem>.md`` (each written atomically), and the table on stdout."""
+    atomic_write_json(Path(out_dir) / f"{stem}.json", result)
+    atomic_write_text(Path(out_dir) / f"{stem}.md", markdown)
+    print(markdown)

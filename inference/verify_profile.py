@@ -23,11 +23,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from griffin import DraftConfig, DraftModel, SpecGenerator
 from griffin.autotune import cached_context_forward
-from griffin.io import atomic_write_json, atomic_write_text
 from griffin.target import EMBEDDED_TARGET, load_target
 from training.cli import run_cli
 
-from .report import command_line, machine_info, markdown_table
+from .report import command_line, machine_info, markdown_table, write_benchmark
 
 RESULTS = Path("benchmarks/results")
 MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"}
@@ -107,10 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"target": args.target, "dtype": args.dtype, "context": 256, "repeats": args.repeats,
               "weight_major_max_rows": gen.weight_major.max_rows, "linear_weight_bytes": weight_bytes,
               "runs": runs, "machine": machine_info(), "command": command_line("inference.verify_profile")}
-    out_dir = Path(args.out_dir)
-    atomic_write_json(out_dir / "verify-profile.json", result)
-    atomic_write_text(out_dir / "verify-profile.md", table(result))
-    print(table(result))
+    write_benchmark(args.out_dir, "verify-profile", result, table(result))
     return 0
 
 

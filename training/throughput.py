@@ -19,7 +19,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from griffin.io import atomic_write_json, atomic_write_text
 from griffin.target import EMBEDDED_TARGET
 
 from .cli import run_cli
@@ -98,7 +97,7 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from inference.report import command_line, machine_info
+    from inference.report import command_line, machine_info, write_benchmark
 
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="griffin-throughput-") as tmp:
@@ -113,10 +112,7 @@ def main(argv: list[str] | None = None) -> int:
               "batch_size": args.batch_size, "draft_vocab": args.draft_vocab, "plan_tokens": args.plan_tokens,
               "features": features, "training": training, "machine": machine_info(),
               "command": command_line("training.throughput")}
-    out_dir = Path(args.out_dir)
-    atomic_write_json(out_dir / "pipeline-throughput.json", result)
-    atomic_write_text(out_dir / "pipeline-throughput.md", table(result))
-    print(table(result))
+    write_benchmark(args.out_dir, "pipeline-throughput", result, table(result))
     return 0
 
 
