@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -77,6 +78,7 @@ def run_missing(args, temperatures: list[float]) -> None:
 def report(args, temperatures: list[float]) -> str:
     columns = [(b, t) for t in temperatures for b in BENCHES]
     taus: dict[str, dict] = {}
+    errors: dict[str, dict] = {}  # standard error of the mean per-prompt τ
     prompts: dict[tuple, set] = {}
     commands = set()
     for label, suffix in HEADS.items():
@@ -85,6 +87,9 @@ def report(args, temperatures: list[float]) -> str:
             if path.is_file():
                 result = json.loads(path.read_text())
                 taus.setdefault(label, {})[(bench, t)] = result["tau"]
+                per_prompt = [p["tau"] for p in result.get("per_prompt", [])]
+                if len(per_prompt) > 1:
+                    errors.setdefault(label, {})[(bench, t)] = statistics.stdev(per_prompt) / len(per_prompt) ** 0.5
                 prompts.setdefault((bench, t), set()).add(result["n_prompts"])
                 commands.add(result["command"])
                 settings = (result["tree"], result["max_new_tokens"])
@@ -102,19 +107,23 @@ def report(args, temperatures: list[float]) -> str:
         present = [v for v in values if v is not None]
         mean = sum(present) / len(present)
         ratios = [v / base[c] for v, c in zip(values, columns) if v is not None and c in base]
-        rows.append([label] + [v if v is not None else "-" for v in values] + [mean] +
+        cells = [f"{v:.2f} ± {errors[label][c]:.2f}" if c in errors.get(label, {}) else v if v is not None else "-"
+                 for v, c in zip(values, columns)]
+        rows.append([label] + cells + [mean] +
                     [f"{sum(ratios) / len(ratios):.3f}x" if ratios else "-"])
     text = ("# Ablation: acceptance length τ on SmolLM2-135M-Instruct\n\n"
             f"τ = new tokens per target forward pass. Same features, data split and number of updates for every "
             f"head; tree {settings[0]}, up to {settings[1]} new tokens, fp32 target. Column headers give the number "
-            "of prompts (MT-Bench: both turns of each question).\n\n" + markdown_table(headers, rows) +
+            "of prompts (MT-Bench: both turns of each question); ± is the standard error of the mean of per-prompt τ "
+            "(the spread over prompts; at T=0 all heads answer the same prompts, so a difference between heads is "
+            "less noisy than that).\n\n" + markdown_table(headers, rows) +
             "\nProduced by `python -m inference.ablation`, from these speed runs:\n\n" +
             "".join(f"- `{c}`\n" for c in sorted(commands)))
-    plot(args, taus, columns)
+    plot(args, taus, errors, columns)
     return text
 
 
-def plot(args, taus: dict, columns: list) -> None:
+def plot(args, taus: dict, errors: dict, columns: list) -> None:
     try:
         import matplotlib
 
@@ -127,12 +136,15 @@ def plot(args, taus: dict, columns: list) -> None:
     width = 0.8 / len(taus)
     for i, (label, values) in enumerate(taus.items()):
         xs = [j + i * width for j in range(len(columns))]
-        ax.bar(xs, [values.get(c, 0) for c in columns], width, label=label)
+        ax.bar(xs, [values.get(c, 0) for c in columns], width, label=label,
+               yerr=[errors.get(label, {}).get(c, 0) for c in columns], capsize=2)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(columns))])
     ax.set_xticklabels([f"{b}\nT={t:g}" for b, t in columns])
     ax.set_ylabel("acceptance length τ")
     ax.set_title("Draft heads on SmolLM2-135M-Instruct (same data and budget)")
-    ax.legend(fontsize=8)
+    top = max(v for values in taus.values() for v in values.values())
+    ax.set_ylim(0, top * 1.3)  # room for the legend above the bars
+    ax.legend(fontsize=8, ncol=3, loc="upper center")
     fig.tight_layout()
     atomic_write(Path(args.report).with_suffix(".png"), lambda p: fig.savefig(p, format="png", dpi=120))
 

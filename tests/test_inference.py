@@ -85,7 +85,8 @@ def fake_result(bench: str, draft: str, temperature: float, tau: float) -> dict:
             "max_new_tokens": 128, "n_prompts": 80, "tau": tau, "tokens_per_s": 30.0, "speedup": 2.0,
             "baseline_tokens_per_s": 15.0, "peers": {"prompt_lookup": 1.1}, "identical_fraction": 1.0,
             "tree": {"depth": 5, "top_k": 8, "total_tokens": 24}, "command": f"python -m inference.speed {bench}",
-            "machine": {"cpu": "cpu", "cores": 2, "torch": "2.13", "date": "today"}}
+            "machine": {"cpu": "cpu", "cores": 2, "torch": "2.13", "date": "today"},
+            "per_prompt": [{"tau": tau - 0.1}, {"tau": tau + 0.1}]}  # standard error 0.1
 
 
 def test_ablation_report_and_readme_section(tmp_path):
@@ -103,7 +104,7 @@ def test_ablation_report_and_readme_section(tmp_path):
                     (results / name).write_text(json.dumps(fake_result(bench, suffix, float(t), 3.5)))
     assert ablation.main(["--results", str(results / "ablation"), "--report", str(results / "ablation.md")]) == 0
     report = (results / "ablation.md").read_text()
-    assert "| GRIFFIN | 3.00 |" in report and "1.364x" in report  # 3.0 / 2.2 against EAGLE-2
+    assert "| GRIFFIN | 3.00 ± 0.10 |" in report and "1.364x" in report  # 3.0 / 2.2 against EAGLE-2
     assert (results / "ablation.png").stat().st_size > 1000
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- results:start -->\nold\n<!-- results:end -->\nrest\n")
@@ -111,7 +112,7 @@ def test_ablation_report_and_readme_section(tmp_path):
     text = readme.read_text()
     assert "old" not in text and text.endswith("rest\n")
     assert "| mt_bench | 0.00 | 80 | 128 | 24 nodes, depth 5 | 3.50 |" in text
-    assert "ablation.md)" in text and "| GRIFFIN | 3.00 |" in text
+    assert "ablation.md)" in text and "| GRIFFIN | 3.00 ± 0.10 |" in text
 
 
 def test_export_writes_fp16_weights_and_a_card(tmp_path, tiny_target_dir):
