@@ -36,7 +36,8 @@ def section(results_dir: Path, head: str) -> str:
                          f"{r['tokens_per_s']:.1f}", f"{r['baseline_tokens_per_s']:.1f}" if "speedup" in r else "-",
                          f"{r['peers']['prompt_lookup']:.2f}x" if "peers" in r else "-",
                          r.get("identical_fraction", "-"), f"[json]({path.as_posix()})"])
-            commands.append(r["command"])
+            if r["command"] not in commands:  # one `--bench all` run writes several files
+                commands.append(r["command"])
             machine = r["machine"]
     if not rows:
         return "No headline speed runs yet.\n\n" + costs(results_dir)

@@ -66,7 +66,8 @@ def card(name: str, dst: Path, head: DraftModel, report: dict, results: list[dic
                  r.get("speedup", "-"), r.get("identical_fraction", "-"), r["machine"]["date"]] for r in results]
         lines.append(markdown_table(["bench", "T", "prompts", "max new", "tree", "τ", "speedup vs HF generate",
                                      "identical", "measured"], rows))
-        lines += ["Commands:", ""] + [f"- `{r['command']}`" for r in results] + [""]
+        commands = dict.fromkeys(r["command"] for r in results)  # in order, once (`--bench all` writes several)
+        lines += ["Commands:", ""] + [f"- `{c}`" for c in commands] + [""]
     lines += ["## Use", "", "```python", "from griffin import SpecGenerator",
               f'gen = SpecGenerator.from_pretrained("{cfg.target.get("name")}", "{dst.as_posix()}")', "```", ""]
     return "\n".join(lines)
