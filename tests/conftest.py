@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import os
 import subprocess
 import sys
@@ -18,6 +21,8 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+from training.cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 THREADS = min(2, torch.get_num_threads())
@@ -89,12 +94,6 @@ def run_main(module: str, *args: str) -> tuple[int, str]:
     """Run a command's ``main`` in this process as its ``__main__`` would: -> (exit code, what it printed to stderr).
 
     For the error paths of commands, which a subprocess per case would make slow."""
-    import contextlib
-    import importlib
-    import io
-
-    from training.cli import run_cli
-
     mod = importlib.import_module(module)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
