@@ -3,11 +3,12 @@
     python -m inference.verify_profile                  # embedded target, fp32, n = 1, 4 and 25 new tokens
 
 One target forward over n new tokens after 256 cached ones, exactly as verification runs it (the generator's
-``_target_forward``, with the CPU's weight-major small matmuls when they apply), is timed without the profiler and then
-profiled with ``torch.profiler``. The operators' self times are grouped into matrix products, attention, copies and
-views, and elementwise work (norms, rotary embedding, activations); what the operators do not account for is Python
-and dispatch between them (plus the profiler's own overhead). The matrix products' time over the bytes of weights they
-read gives the memory bandwidth they reach. Writes ``benchmarks/results/verify-profile.json`` and ``.md``.
+``_target_forward``, with the CPU's weight-major small matmuls when they apply), is timed without the profiler (all n
+interleaved, median, before any profiling) and then profiled with ``torch.profiler``. The operators' self times are
+grouped into matrix products, attention, copies and views, and elementwise work (norms, rotary embedding,
+activations); what the operators do not account for is Python and dispatch between them (plus the profiler's own
+overhead). The matrix products' time over the bytes of weights they read gives the memory bandwidth they reach.
+Writes ``benchmarks/results/verify-profile.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from griffin import DraftConfig, DraftModel, SpecGenerator
-from griffin.autotune import cached_context_forward
+from griffin.autotune import cached_context_forward, forward_cost
 from griffin.target import EMBEDDED_TARGET, load_target
 from training.cli import run_cli
 
@@ -68,14 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def profile_forward(forward, n: int, repeats: int) -> dict:
-    """Median unprofiled seconds of ``forward(n)``, then the profiled per-forward time by operator group."""
+    """The profiled per-forward time of ``forward(n)``, by operator group."""
     for _ in range(3):
         forward(n)
-    wall = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        forward(n)
-        wall.append(time.perf_counter() - t0)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for _ in range(repeats):
@@ -89,7 +85,7 @@ def profile_forward(forward, n: int, repeats: int) -> dict:
         groups[group_of(event.key)] += seconds
         top[event.key] = seconds
         ops += event.count
-    return {"wall_s": sorted(wall)[len(wall) // 2], "profiled_s": profiled, "groups_s": groups,
+    return {"profiled_s": profiled, "groups_s": groups,
             "unattributed_s": max(profiled - sum(groups.values()), 0.0), "ops_per_forward": ops / repeats,
             "top_ops_s": dict(sorted(top.items(), key=lambda kv: -kv[1])[:8])}
 
@@ -100,9 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_target(args.target, dtype=args.dtype)
     head = DraftModel(DraftConfig.from_target(model.config, arch="griffin"))  # only the target forward is profiled
     gen = SpecGenerator(model, tokenizer, head)
-    forward = cached_context_forward(gen, 256, max(args.tokens))
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
-    runs = {n: profile_forward(forward, n, args.repeats) for n in args.tokens}
+    forward_cost(gen, args.tokens, repeats=1)  # warm-up
+    walls = forward_cost(gen, args.tokens, repeats=args.repeats)  # all sizes interleaved, before any profiling
+    forward = cached_context_forward(gen, 256, max(args.tokens))
+    runs = {n: {"wall_s": walls[n], **profile_forward(forward, n, args.repeats)} for n in args.tokens}
     result = {"target": args.target, "dtype": args.dtype, "context": 256, "repeats": args.repeats,
               "weight_major_max_rows": gen.weight_major.max_rows, "linear_weight_bytes": weight_bytes,
               "runs": runs, "machine": machine_info(), "command": command_line("inference.verify_profile")}
