@@ -17,6 +17,7 @@ import json
 import logging
 import platform
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -58,7 +59,7 @@ def forward_cost(gen, sizes: list[int], context: int = 256, repeats: int = 5) ->
 
 
 @torch.inference_mode()
-def cached_context_forward(gen, context: int, max_new: int):
+def cached_context_forward(gen, context: int, max_new: int) -> Callable[[int], None]:
     """Prefill ``context`` random tokens; -> ``forward(n)``: one causal target forward over n <= ``max_new`` new
     tokens on top of them, the cache cropped back to the context afterwards."""
     ids = torch.randint(0, gen.target.config.vocab_size, (context + max_new,), device=gen.device)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -68,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def profile_forward(forward, n: int, repeats: int) -> dict:
+def profile_forward(forward: Callable[[int], None], n: int, repeats: int) -> dict:
     """The profiled per-forward time of ``forward(n)``, by operator group."""
     for _ in range(3):
         forward(n)
