@@ -107,9 +107,7 @@ def report(args, temperatures: list[float]) -> str:
         present = [v for v in values if v is not None]
         mean = sum(present) / len(present)
         ratios = [v / base[c] for v, c in zip(values, columns) if v is not None and c in base]
-        cells = [f"{v:.2f} ± {errors[label][c]:.2f}" if c in errors.get(label, {}) else v if v is not None else "-"
-                 for v, c in zip(values, columns)]
-        rows.append([label] + cells + [mean] +
+        rows.append([label] + [cell(v, errors.get(label, {}).get(c)) for v, c in zip(values, columns)] + [mean] +
                     [f"{sum(ratios) / len(ratios):.3f}x" if ratios else "-"])
     text = ("# Ablation: acceptance length τ on SmolLM2-135M-Instruct\n\n"
             f"τ = new tokens per target forward pass. Same features, data split and number of updates for every "
@@ -121,6 +119,13 @@ def report(args, temperatures: list[float]) -> str:
             "".join(f"- `{c}`\n" for c in sorted(commands)))
     plot(args, taus, errors, columns)
     return text
+
+
+def cell(tau: float | None, error: float | None) -> str | float:
+    """A table cell: τ, with its standard error when known ("-" for a missing run)."""
+    if tau is None:
+        return "-"
+    return tau if error is None else f"{tau:.2f} ± {error:.2f}"
 
 
 def plot(args, taus: dict, errors: dict, columns: list) -> None:

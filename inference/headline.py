@@ -36,8 +36,7 @@ def section(results_dir: Path, head: str) -> str:
                          f"{r['tokens_per_s']:.1f}", f"{r['baseline_tokens_per_s']:.1f}" if "speedup" in r else "-",
                          f"{r['peers']['prompt_lookup']:.2f}x" if "peers" in r else "-",
                          r.get("identical_fraction", "-"), f"[json]({path.as_posix()})"])
-            if r["command"] not in commands:  # one `--bench all` run writes several files
-                commands.append(r["command"])
+            commands.append(r["command"])
             machine = r["machine"]
     if not rows:
         return "No headline speed runs yet.\n\n" + costs(results_dir)
@@ -45,7 +44,8 @@ def section(results_dir: Path, head: str) -> str:
             f"after a warm-up on {machine['cpu']} ({machine['cores']} cores, torch {machine['torch']}).\n\n")
     text += markdown_table(["bench", "T", "prompts", "max new", "tree", "τ", "speedup vs HF generate", "tokens/s",
                             "HF generate tokens/s", "prompt lookup speedup", "identical", "file"], rows)
-    text += "\nτ: new tokens per target forward pass. Commands:\n\n" + "".join(f"- `{c}`\n" for c in commands)
+    once = dict.fromkeys(commands)  # in order, each once: one `--bench all` run writes several files
+    text += "\nτ: new tokens per target forward pass. Commands:\n\n" + "".join(f"- `{c}`\n" for c in once)
     ablation = results_dir / "ablation.md"
     if ablation.is_file():
         table = "".join(line + "\n" for line in ablation.read_text().splitlines() if line.startswith("|"))
