@@ -21,6 +21,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from .chat import prompt_ids
 from .draft import DraftModel
 from .drafters import HeadDrafter
+from .family import output_logits, verification_mask
 from .kernels import WeightMajorLinears, default_max_rows
 from .kv_cache import BufferCache
 from .sampling import SamplingConfig, accept_greedy, accept_sampling, sample_token
@@ -170,15 +171,13 @@ class SpecGenerator:
                         cache: BufferCache, last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [q] at positions [q], allowed [q, q] among them (all past entries visible) -> hidden [q, H] and
         logits [q, V] (or [1, V] for the last position only)."""
-        ctx, q = cache.length, tokens.shape[0]
-        dtype = self.lm_head.weight.dtype
-        mask = torch.zeros(1, 1, q, ctx + q, dtype=dtype, device=self.device)
-        mask[0, 0, :, ctx:].masked_fill_(~tree_mask, torch.finfo(dtype).min)
+        q = tokens.shape[0]
+        mask = verification_mask(self.target, cache.length, tree_mask, self.lm_head.weight.dtype)
         small = 2 <= q <= self.weight_major.max_rows
         with self.weight_major if small else contextlib.nullcontext():
             hidden = self.decoder(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask,
                                   past_key_values=cache, use_cache=True).last_hidden_state[0]  # [q, H]
-            logits = self.lm_head(hidden[-1:] if last_logits_only else hidden)
+            logits = output_logits(self.target, hidden[-1:] if last_logits_only else hidden)
         return hidden, logits
 
     # --- generation ----------------------------------------------------------------------------------------------
