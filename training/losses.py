@@ -38,13 +38,15 @@ Tensor = torch.Tensor
 NAMES = ("soft-ce", "fkl", "rkl", "jsd", "tvd", "tvdpp")
 
 
-def log_probs(logits: Tensor, keep: Tensor, temperature: float = 1.0) -> Tensor:
-    """logits [..., V] -> fp32 log-probabilities; rows outside ``keep`` [...] are replaced by zeros (uniform) first,
+def scaled(logits: Tensor, keep: Tensor, temperature: float = 1.0) -> Tensor:
+    """logits [..., V] -> fp32 logits / temperature; rows outside ``keep`` [...] are replaced by zeros (uniform) first,
     so that an all ``-inf`` padding row cannot produce NaN in the value or the gradient."""
     x = torch.where(keep[..., None], logits.float(), 0.0)
-    if temperature != 1.0:
-        x = x / temperature
-    return F.log_softmax(x, dim=-1)
+    return x / temperature if temperature != 1.0 else x
+
+
+def log_probs(logits: Tensor, keep: Tensor, temperature: float = 1.0) -> Tensor:
+    return F.log_softmax(scaled(logits, keep, temperature), dim=-1)
 
 
 def kl(log_a: Tensor, log_b: Tensor) -> Tensor:
@@ -54,8 +56,8 @@ def kl(log_a: Tensor, log_b: Tensor) -> Tensor:
     return (a * diff).sum(-1)
 
 
-def soft_ce(log_p: Tensor, log_q: Tensor) -> Tensor:
-    p = log_p.exp()
+def soft_ce(p: Tensor, log_q: Tensor) -> Tensor:
+    """``-Σ p log q`` from probabilities p (soft labels) and log-probabilities q."""
     return -(p * torch.where(p > 0, log_q, 0.0)).sum(-1)
 
 
@@ -101,8 +103,11 @@ class TokenLoss:
     def __call__(self, target_logits: Tensor, draft_logits: Tensor, mask: Tensor) -> Tensor:
         keep = mask.bool()
         with torch.no_grad():
-            log_p = log_probs(target_logits.detach(), keep, self.temperature)
+            target = scaled(target_logits.detach(), keep, self.temperature)
         log_q = log_probs(draft_logits, keep, self.temperature)
+        if self.name == "soft-ce":  # softmax, not exp(log_softmax): the heads' historical loss to the last bit
+            return torch.where(keep, soft_ce(F.softmax(target, dim=-1), log_q), 0.0)
+        log_p = F.log_softmax(target, dim=-1)
         if self.name == "tvdpp":
             finite = torch.isfinite(target_logits) | torch.isfinite(draft_logits)
             loss = tvdpp(log_p, log_q, finite & keep[..., None])
@@ -113,7 +118,7 @@ class TokenLoss:
         return torch.where(keep, loss, 0.0)
 
 
-PAIRWISE: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"soft-ce": soft_ce, "fkl": fkl, "rkl": rkl, "tvd": tvd}
+PAIRWISE: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"fkl": fkl, "rkl": rkl, "tvd": tvd}
 
 
 def make_token_loss(name: str, temperature: float = 1.0, jsd_beta: float = 0.5) -> TokenLoss:

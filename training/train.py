@@ -258,7 +258,7 @@ class Trainer:
                 self.progress["updates"] += 1
                 self.progress["tokens"] += tokens * world
                 self.progress["seconds"] += time.perf_counter() - t0
-                top1 = (out["top1"] / out["counts"].clamp(min=1)).tolist()
+                top1 = (out["top1"] / out["kept"].clamp(min=1)).tolist()
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss.item() / world:.3f}", acc=",".join(f"{a:.2f}" for a in top1),
                                 tok_s=f"{self.progress['tokens'] / self.progress['seconds']:.0f}", epoch=epoch)
@@ -283,17 +283,17 @@ class Trainer:
         bs = self.args.batch_size
         for b in tqdm(range(0, len(mine), bs), desc="validate", disable=not acc.is_main_process, leave=False):
             out, _ = self.run_batch(mine[b : b + bs], False)
-            stacked = torch.stack([out["loss_sums"], out["counts"], out["top1"], out["topk"]]).float()
+            stacked = torch.stack([out["loss_sums"], out["counts"], out["kept"], out["top1"], out["topk"]]).float()
             totals = stacked if totals is None else totals + stacked
         if totals is None:
-            totals = torch.zeros(4, self.args.steps, device=acc.device)
+            totals = torch.zeros(5, self.args.steps, device=acc.device)
         totals = acc.reduce(totals, reduction="sum")
-        sums, counts, top1, topk = totals.tolist()
-        first = max(counts[0], 1)
+        sums, counts, kept, top1, topk = totals.tolist()
+        first = max(kept[0], 1)
         report_k = acc.unwrap_model(self.objective).report_k
-        passes = [{"pass": k + 1, "loss": sums[k] / max(counts[k], 1), "top1": top1[k] / max(counts[k], 1),
-                   f"top{report_k}": topk[k] / max(counts[k], 1), "kept": counts[k] / first,
-                   "positions": int(counts[k])} for k in range(self.args.steps)]
+        passes = [{"pass": k + 1, "loss": sums[k] / max(counts[k], 1), "top1": top1[k] / max(kept[k], 1),
+                   f"top{report_k}": topk[k] / max(kept[k], 1), "kept": kept[k] / first,
+                   "positions": int(kept[k])} for k in range(self.args.steps)]
         record = {"epoch": epoch, "updates": self.progress["updates"], "tokens": self.progress["tokens"],
                   "train_seconds": round(self.progress["seconds"], 1),
                   "train_tokens_per_s": self.progress["tokens"] / max(self.progress["seconds"], 1e-9),
