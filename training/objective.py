@@ -97,11 +97,26 @@ def make_batch(items, max_len: int | None = None) -> Batch:
     return Batch(tokens, features, targets, next_tokens, data_mask, valid)
 
 
+def first_seen(tokens: torch.Tensor, valid: torch.Tensor, to_local: torch.Tensor, static: torch.Tensor,
+               size: int) -> torch.Tensor:
+    """tokens [B, T] (target ids), valid [B, T] -> [B, V] the first position at which each of the V local draft tokens
+    appears in each conversation: -1 for the static draft vocabulary (always proposable), T for never."""
+    b, t = tokens.shape
+    local = torch.where(valid, to_local[tokens], size)  # [B, T]; padding goes to a spill column
+    local = torch.where(local >= 0, local, size)
+    seen = torch.full((b, size + 1), t, dtype=torch.long, device=tokens.device)
+    positions = torch.arange(t, device=tokens.device).expand(b, t)
+    seen.scatter_reduce_(1, local, positions, reduce="amin")
+    seen = seen[:, :size]
+    seen[:, to_local[static]] = -1
+    return seen
+
+
 class PassOutput(NamedTuple):
     """What one pass of the rollout produced (all [B, T, ...])."""
 
-    logits: torch.Tensor  # [B, T, V] fp32 draft logits over the proposable tokens
-    target_logits: torch.Tensor  # [B, T, V] fp32 target logits LM(F_{t+1}) over the same tokens (the soft labels)
+    logits: torch.Tensor  # [B, T, V] fp32 draft logits, -inf on tokens not proposable at that position and pass
+    target_logits: torch.Tensor  # [B, T, V] fp32 target logits LM(F_{t+1}), -inf alike (the soft labels' support)
     predict: torch.Tensor  # [B, T, H]
     regress: torch.Tensor  # [B, T, H]
     mask: torch.Tensor  # [B, T] 0/1: positions on a branch the draft tree contains (pass 1: the data mask)
@@ -110,7 +125,14 @@ class PassOutput(NamedTuple):
 
 
 class Rollout:
-    """The K passes of token-alignable training over a batch, with their versions and alignment masks."""
+    """The K passes of token-alignable training over a batch, with their versions and alignment masks.
+
+    What a position may propose is what the drafting engine could propose there. A head with a context vocabulary
+    (``griffin.vocab``) proposes its static tokens plus the tokens of the context so far; pass ``k`` at position
+    ``t`` simulates the ``k``-th draft step of a tree whose context ends at token ``x_{t-k+2}`` (read at position
+    ``t-k+1``), so the tokens its conversation showed up to there are proposable and the others get ``-inf`` logits
+    and no soft-label mass. A true next token that is not proposable is a miss, for accuracy and alignment alike.
+    """
 
     def __init__(self, draft: DraftModel, steps: int, topk: int, noise: float = 0.2):
         if steps < 1:
@@ -142,6 +164,9 @@ class Rollout:
         to_local = torch.full((draft.config.vocab_size,), -1, dtype=torch.long, device=device)
         to_local[vocab] = torch.arange(vocab.shape[0], device=device)
         gt = torch.where(batch.next_tokens >= 0, to_local[batch.next_tokens.clamp(min=0)], -1)  # [B, T], -1: absent
+        seen = None
+        if draft.draft_vocab is not None and draft.config.context_vocab:
+            seen = first_seen(batch.tokens, batch.valid, to_local, draft.static_vocab().to(device), vocab.shape[0])
         features = batch.features if features is None else features
         data_mask = batch.data_mask * batch.valid
         mask = data_mask
@@ -153,11 +178,18 @@ class Rollout:
             keys.append(out.key)
             values.append(out.value)
             logits = F.linear(out.predict, weight.to(out.predict.dtype)).float()  # [B, T, V]
+            labels, gt_k = target_logits, gt
+            if seen is not None:
+                context_end = torch.arange(t, device=device) - (k - 1)  # [T] last context position of the tree
+                blocked = seen[:, None, :] > context_end[None, :, None]  # [B, T, V]
+                logits = logits.masked_fill(blocked, -torch.inf)
+                labels = target_logits.masked_fill(blocked, -torch.inf)
+                gt_k = torch.where(blocked.gather(-1, gt.clamp(min=0)[..., None])[..., 0], -1, gt)
             with torch.no_grad():
                 ranked = logits.topk(min(self.report_k, logits.shape[-1]), dim=-1).indices  # [B, T, k]
-                hit1 = (ranked[..., 0] == gt).float()
-                hitk = (ranked == gt[..., None]).any(-1).float()
-            passes.append(PassOutput(logits, target_logits, out.predict, out.regress, mask, hit1, hitk))
+                hit1 = (ranked[..., 0] == gt_k).float()
+                hitk = (ranked == gt_k[..., None]).any(-1).float()
+            passes.append(PassOutput(logits, labels, out.predict, out.regress, mask, hit1, hitk))
             if k < self.steps:
                 aligned = hitk if self.topk else torch.ones_like(hitk)  # topk 0: no token mask (HASS)
                 mask = next_masks(mask, aligned, data_mask)
