@@ -18,7 +18,15 @@ from safetensors.torch import load_file
 from griffin import DraftConfig, DraftModel
 from tests.conftest import ROOT, run_main, run_module, tiny_model
 from tests.test_features import conversations, write_data
-from training.objective import MultiPassObjective, make_batch, next_masks, version_mixed_mask
+from training.losses import adaspec_select, make_token_loss, per_token_fkl
+from training.objective import (
+    HeadLoss,
+    MultiPassObjective,
+    Rollout,
+    make_batch,
+    next_masks,
+    version_mixed_mask,
+)
 from training.store import Conversation
 
 
@@ -331,3 +339,67 @@ def test_rollout_equals_an_explicit_draft_chain_per_position(arch):
                 checked[k] += kept
     assert all(checked[k] > 0 for k in checked), checked  # every pass keeps some positions
     assert checked[3] < checked[1]
+
+
+# --- distillation objectives and AdaSPEC -------------------------------------------------------------------------
+
+
+def test_adaspec_trains_on_the_top_fraction_of_aligned_positions_by_delta():
+    target = tiny_model(vocab_size=60, hidden=32)
+    torch.manual_seed(0)
+    draft = DraftModel(DraftConfig.from_target(target.config, arch="griffin")).attach(target)
+    torch.manual_seed(1)
+    reference = DraftModel(DraftConfig.from_target(target.config, arch="griffin")).attach(target)
+    batch = make_batch(synthetic_items(target, 4, 14))
+    objective = MultiPassObjective(draft, steps=2, topk=0, noise=0, token_loss=make_token_loss("fkl"),
+                                   reference=reference, select_frac=0.4)
+    out = objective(batch)
+    passes = objective.rollout(batch)
+    ref = Rollout(reference, 2, 0)(batch)
+    for k in range(2):
+        kept = passes[k].mask.bool()
+        assert out["kept"][k] == kept.sum() and out["counts"][k] == math.ceil(0.4 * kept.sum().item())
+        delta = per_token_fkl(passes[k].target_logits, passes[k].logits) - per_token_fkl(ref[k].target_logits,
+                                                                                         ref[k].logits)
+        chosen = adaspec_select(delta, kept, 0.4)
+        want, _ = HeadLoss(make_token_loss("fkl"))(passes[k], batch.targets, chosen)
+        torch.testing.assert_close(out["loss_sums"][k], want)
+        assert delta[chosen].min() >= delta[kept & ~chosen].max()
+    assert torch.equal(objective.eval()(batch)["counts"], out["kept"])  # validation scores every aligned position
+
+
+def test_distillation_flags_train_record_and_reach_the_card(tmp_path, tiny_store):
+    common = ["--features", str(tiny_store), "--steps", "2", "--batch-size", "4", "--max-updates", "2",
+              "--draft-vocab", "300"]
+    ref = run_module("training.train", *common, "--token-loss", "fkl", "--out", str(tmp_path / "fkl"))
+    assert ref.returncode == 0, ref.stderr
+    res = run_module("training.train", *common, "--token-loss", "jsd", "--jsd-beta", "0.3", "--select", "adaspec",
+                     "--reference", str(tmp_path / "fkl"), "--select-frac", "0.5", "--out", str(tmp_path / "ada"))
+    assert res.returncode == 0, res.stderr
+    run = json.loads((tmp_path / "ada" / "validation.json").read_text())["run"]
+    assert (run["token_loss"], run["jsd_beta"], run["select"], run["select_frac"]) == ("jsd", 0.3, "adaspec", 0.5)
+    assert json.loads((tmp_path / "fkl" / "validation.json").read_text())["run"]["token_loss"] == "fkl"
+    code, err = run_main("training.export", str(tmp_path / "ada"), str(tmp_path / "card"), "--results",
+                         str(tmp_path))
+    assert code == 0, err
+    text = (tmp_path / "card" / "README.md").read_text()
+    assert "JSD(β=0.3)" in text and "AdaSPEC" in text and str(tmp_path / "fkl") in text
+
+    def check(*args, message):
+        code, err = run_main("training.train", *common, "--out", str(tmp_path / "bad"), *args)
+        assert code == 2 and message in err, err
+
+    check("--select", "adaspec", message="--select adaspec needs --reference")
+    check("--reference", str(tmp_path / "fkl"), message="--reference is only used by --select adaspec")
+    check("--select", "adaspec", "--reference", str(tmp_path / "fkl"), "--select-frac", "0",
+          message="--select-frac must be in (0, 1]")
+    check("--jsd-beta", "1", message="--jsd-beta must be in (0, 1)")
+    check("--token-loss", "kl", message="invalid choice")
+    full = ["--features", str(tiny_store), "--out", str(tmp_path / "bad2"), "--max-updates", "1"]
+    code, err = run_main("training.train", *full, "--select", "adaspec", "--reference", str(tmp_path / "fkl"))
+    assert code == 2 and "another draft vocabulary" in err, err
+    other = DraftModel.from_pretrained(tmp_path / "fkl")
+    other.config.target["fingerprint"] = "0123456789abcdef"
+    other.config.target["name"] = "another-target"
+    other.save_pretrained(tmp_path / "other")
+    check("--select", "adaspec", "--reference", str(tmp_path / "other"), message="was trained for target")
