@@ -99,8 +99,9 @@ def make_batch(items, max_len: int | None = None) -> Batch:
 
 def first_seen(tokens: torch.Tensor, valid: torch.Tensor, to_local: torch.Tensor, static: torch.Tensor,
                size: int) -> torch.Tensor:
-    """tokens [B, T] (target ids), valid [B, T] -> [B, V] the first position at which each of the V local draft tokens
-    appears in each conversation: -1 for the static draft vocabulary (always proposable), T for never."""
+    """tokens [B, T] (target ids, position t reads x_{t+1}), valid [B, T] -> [B, V]: the first position whose token is
+    each of the V local draft tokens, per conversation; -1 for the static draft vocabulary (always proposable), T for
+    never. ``to_local`` maps target ids to local indices (-1: not in the batch vocabulary)."""
     b, t = tokens.shape
     local = torch.where(valid, to_local[tokens], size)  # [B, T]; padding goes to a spill column
     local = torch.where(local >= 0, local, size)
@@ -108,7 +109,8 @@ def first_seen(tokens: torch.Tensor, valid: torch.Tensor, to_local: torch.Tensor
     positions = torch.arange(t, device=tokens.device).expand(b, t)
     seen.scatter_reduce_(1, local, positions, reduce="amin")
     seen = seen[:, :size]
-    seen[:, to_local[static]] = -1
+    static = to_local[static]
+    seen[:, static[static >= 0]] = -1
     return seen
 
 
