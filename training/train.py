@@ -6,6 +6,14 @@
 
 ``--steps K`` forward passes per update (token-alignable training; 1 = EAGLE training), ``--topk k`` the alignment
 mask (0 = none, i.e. HASS). A killed run continues with ``--resume`` and ends with the same weights.
+
+Distillation objectives (``training.losses``): the token loss between the target's and the head's distributions is
+``--token-loss`` (default soft-ce, the heads' usual soft cross-entropy). AdaSPEC trains only on the positions where the
+head lags a frozen reference head (same initialisation, distilled with fkl) the most:
+
+    python -m training.train ... --init-from HEAD0 --token-loss fkl --out heads/fkl
+    python -m training.train ... --init-from HEAD0 --token-loss fkl --select adaspec --reference heads/fkl \
+        --select-frac 0.4 --out heads/fkl-adaspec
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from griffin.io import atomic_write, atomic_write_json
 from griffin.target import load_target_head, resolve_dtype, target_fingerprint
 
 from .cli import run_cli
+from .losses import NAMES as TOKEN_LOSSES
+from .losses import make_token_loss
 from .objective import MultiPassObjective, make_batch
 from .store import FeatureStore, StoreError
 
@@ -62,7 +72,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-clip", type=float, default=0.5)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--noise", type=float, default=0.2, help="uniform feature noise scale (0 = off)")
-    p.add_argument("--w-token", type=float, default=0.1, help="weight of the token (cross-entropy) loss")
+    p.add_argument("--w-token", type=float, default=0.1, help="weight of the token loss")
+    p.add_argument("--token-loss", default="soft-ce", choices=TOKEN_LOSSES,
+                   help="divergence between the target's and the head's token distributions (default: %(default)s)")
+    p.add_argument("--jsd-beta", type=float, default=0.5, help="β of --token-loss jsd, in (0, 1)")
+    p.add_argument("--select", default="none", choices=["none", "adaspec"],
+                   help="token selection: adaspec trains on the positions where the head lags --reference most")
+    p.add_argument("--reference", default=None,
+                   help="AdaSPEC's reference head: same initialisation, distilled with --token-loss fkl, frozen")
+    p.add_argument("--select-frac", type=float, default=0.4, help="fraction of positions AdaSPEC keeps, in (0, 1]")
     p.add_argument("--mixed-precision", default=None, choices=["no", "bf16", "fp16"],
                    help="autocast (default: accelerate's config; bf16 works on CPU too)")
     p.add_argument("--save-every", type=int, default=200, help="save the resumable state every N updates")
@@ -82,6 +100,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--draft-vocab must be >= 0")
     if not 0 < args.val_fraction < 1:
         p.error("--val-fraction must be in (0, 1)")
+    if not 0 < args.jsd_beta < 1:
+        p.error("--jsd-beta must be in (0, 1)")
+    if args.select == "adaspec" and not args.reference:
+        p.error("--select adaspec needs --reference HEAD (the same initialisation distilled with --token-loss fkl)")
+    if args.reference and args.select != "adaspec":
+        p.error("--reference is only used by --select adaspec")
+    if not 0 < args.select_frac <= 1:
+        p.error("--select-frac must be in (0, 1]")
     return args
 
 
@@ -128,6 +154,23 @@ def build_head(args, store: FeatureStore, target_head) -> DraftModel:
     return draft.attach(target_head)
 
 
+def load_reference(path: str, draft: DraftModel, target_head) -> DraftModel:
+    """AdaSPEC's frozen reference head; it must score the same target and the same draft vocabulary as ``draft``."""
+    reference = DraftModel.from_pretrained(path)
+    mine, theirs = draft.config, reference.config
+    fingerprint = theirs.target.get("fingerprint")
+    if fingerprint and mine.target.get("fingerprint") and fingerprint != mine.target["fingerprint"]:
+        raise ValueError(f"--reference {path} was trained for target {theirs.target.get('name')!r}, not "
+                         f"{mine.target.get('name')!r}")
+    same_vocab = (theirs.draft_vocab_size, theirs.context_vocab) == (mine.draft_vocab_size, mine.context_vocab) and (
+        draft.draft_vocab is None or torch.equal(reference.draft_vocab, draft.draft_vocab.cpu()))
+    if not same_vocab:
+        raise ValueError(f"--reference {path} has another draft vocabulary ({theirs.draft_vocab_size or 'full'} "
+                         f"tokens) than the head ({mine.draft_vocab_size or 'full'}): use a reference trained from the "
+                         "same initialisation")
+    return reference.attach(target_head)
+
+
 class Trainer:
     """One training stage: K passes per update, validation at epoch ends, atomic checkpoints, exact resume."""
 
@@ -142,7 +185,10 @@ class Trainer:
         self.max_len = args.max_len or store.manifest["max_len"]
         torch.manual_seed(args.seed)
         draft = build_head(args, store, target_head)
-        self.objective = MultiPassObjective(draft, args.steps, args.topk, w_token=args.w_token, noise=args.noise)
+        token_loss = make_token_loss(args.token_loss, jsd_beta=args.jsd_beta)
+        reference = load_reference(args.reference, draft, target_head) if args.select == "adaspec" else None
+        self.objective = MultiPassObjective(draft, args.steps, args.topk, w_token=args.w_token, noise=args.noise,
+                                            token_loss=token_loss, reference=reference, select_frac=args.select_frac)
         self.global_batch = args.batch_size * accelerator.num_processes
         per_epoch = len(epoch_batches(store, self.train_idx, self.global_batch, args.seed, 0))
         if per_epoch == 0:
@@ -164,7 +210,11 @@ class Trainer:
                          "features": str(args.features), "seed": args.seed, "noise": args.noise,
                          "mixed_precision": accelerator.mixed_precision, "processes": accelerator.num_processes,
                          "draft_vocab": draft.config.draft_vocab_size, "init_from": args.init_from,
-                         "train_conversations": len(self.train_idx), "val_conversations": len(self.val_idx)}
+                         "train_conversations": len(self.train_idx), "val_conversations": len(self.val_idx),
+                         "token_loss": args.token_loss, "w_token": args.w_token,
+                         "jsd_beta": args.jsd_beta if args.token_loss == "jsd" else None,
+                         "select": args.select, "reference": args.reference,
+                         "select_frac": args.select_frac if args.select == "adaspec" else None}
 
     @property
     def draft(self) -> DraftModel:
@@ -258,7 +308,7 @@ class Trainer:
                 self.progress["updates"] += 1
                 self.progress["tokens"] += tokens * world
                 self.progress["seconds"] += time.perf_counter() - t0
-                top1 = (out["top1"] / out["counts"].clamp(min=1)).tolist()
+                top1 = (out["top1"] / out["kept"].clamp(min=1)).tolist()
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss.item() / world:.3f}", acc=",".join(f"{a:.2f}" for a in top1),
                                 tok_s=f"{self.progress['tokens'] / self.progress['seconds']:.0f}", epoch=epoch)
@@ -283,17 +333,17 @@ class Trainer:
         bs = self.args.batch_size
         for b in tqdm(range(0, len(mine), bs), desc="validate", disable=not acc.is_main_process, leave=False):
             out, _ = self.run_batch(mine[b : b + bs], False)
-            stacked = torch.stack([out["loss_sums"], out["counts"], out["top1"], out["topk"]]).float()
+            stacked = torch.stack([out["loss_sums"], out["counts"], out["kept"], out["top1"], out["topk"]]).float()
             totals = stacked if totals is None else totals + stacked
         if totals is None:
-            totals = torch.zeros(4, self.args.steps, device=acc.device)
+            totals = torch.zeros(5, self.args.steps, device=acc.device)
         totals = acc.reduce(totals, reduction="sum")
-        sums, counts, top1, topk = totals.tolist()
-        first = max(counts[0], 1)
+        sums, counts, kept, top1, topk = totals.tolist()
+        first = max(kept[0], 1)
         report_k = acc.unwrap_model(self.objective).report_k
-        passes = [{"pass": k + 1, "loss": sums[k] / max(counts[k], 1), "top1": top1[k] / max(counts[k], 1),
-                   f"top{report_k}": topk[k] / max(counts[k], 1), "kept": counts[k] / first,
-                   "positions": int(counts[k])} for k in range(self.args.steps)]
+        passes = [{"pass": k + 1, "loss": sums[k] / max(counts[k], 1), "top1": top1[k] / max(kept[k], 1),
+                   f"top{report_k}": topk[k] / max(kept[k], 1), "kept": kept[k] / first,
+                   "positions": int(kept[k])} for k in range(self.args.steps)]
         record = {"epoch": epoch, "updates": self.progress["updates"], "tokens": self.progress["tokens"],
                   "train_seconds": round(self.progress["seconds"], 1),
                   "train_tokens_per_s": self.progress["tokens"] / max(self.progress["seconds"], 1e-9),
@@ -332,9 +382,10 @@ def train_stage(args: argparse.Namespace, store: FeatureStore) -> None:
     elif (Path(args.out) / STATE).exists():
         raise StoreError(f"{args.out} already holds a training run: pass --resume to continue it or use a new --out")
     if acc.is_main_process:
-        log.info("training %s head (%.2fM parameters) K=%d topk=%d on %d conversations, %d updates",
-                 args.arch, trainer.draft.num_parameters() / 1e6, args.steps, args.topk, len(trainer.train_idx),
-                 trainer.total)
+        log.info("training %s head (%.2fM parameters) K=%d topk=%d, token loss %s%s, on %d conversations, %d updates",
+                 args.arch, trainer.draft.num_parameters() / 1e6, args.steps, args.topk, args.token_loss,
+                 f" + AdaSPEC {args.select_frac:g} (reference {args.reference})" if args.reference else "",
+                 len(trainer.train_idx), trainer.total)
     trainer.train()
 
 
