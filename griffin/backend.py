@@ -92,7 +92,7 @@ class TargetBackend:
         self._cache_key: tuple | None = None
 
     def prepare(self, max_len: int) -> BufferCache:
-        """The backend's KV cache, emptied for a sequence of up to ``max_len`` positions (buffers reused if they fit)."""
+        """The KV cache, emptied for a sequence of up to ``max_len`` positions (its buffers reused if they fit)."""
         key = (self.lm_head.weight.dtype, self.lm_head.weight.device)
         size = -(-max_len // CACHE_BLOCK) * CACHE_BLOCK
         if self.cache is None or key != self._cache_key:

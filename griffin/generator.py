@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .chat import prompt_ids
 from .backend import TargetBackend
+from .chat import prompt_ids
 from .draft import DraftModel
 from .drafters import HeadDrafter
 from .kv_cache import BufferCache

@@ -18,8 +18,8 @@ import torch
 class DraftVocab:
     """Static draft tokens plus up to ``extra_capacity`` context tokens, with their lm_head rows.
 
-    ``ids`` [capacity + 1] target id of each slot (the last slot is scratch, never scored); ``slot_of`` [V + 1]: slot + 1
-    of each target id, 0 when it is not proposable; ``size`` (0-dim tensor): slots in use.
+    ``ids`` [capacity + 1] target id of each slot (the last slot is scratch, never scored); ``slot_of`` [V + 1]:
+    slot + 1 of each target id, 0 when it is not proposable; ``size`` (0-dim tensor): slots in use.
     """
 
     def __init__(self, draft, extra_capacity: int = 256):
