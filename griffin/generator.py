@@ -110,10 +110,10 @@ class SpecGenerator:
                         device: str | torch.device | None = None, draft_dtype: str | torch.dtype | None = "auto",
                         tokenizer: PreTrainedTokenizerBase | None = None,
                         weight_major_rows: int | None = None, timing: bool = False) -> SpecGenerator:
-        """``target``: a name (``smollm2-135m-instruct``), a local HF folder or a loaded model; ``draft``: a head
-        folder, a :class:`DraftModel`, or None for the head shipped for the target. ``total_tokens="auto"`` (the
-        default) picks the tree size and depth that maximise the expected speedup on this machine (measured once,
-        then cached), overriding ``depth``; pass an int to fix the tree.
+        """``target``: a name (``smollm2-135m-instruct``), a local HF folder or a loaded model (moved to ``device``
+        and cast to ``dtype`` when given); ``draft``: a head folder, a :class:`DraftModel`, or None for the head
+        shipped for the target. ``total_tokens="auto"`` (the default) picks the tree size and depth that maximise the
+        expected speedup on this machine (measured once, then cached), overriding ``depth``; pass an int to fix it.
         ``draft_dtype="auto"`` runs the head in bf16 where the hardware computes it natively (see
         :func:`fast_draft_dtype`); the head's dtype changes which tokens are drafted, never the output.
         ``weight_major_rows``: verification passes of up to this many tokens compute the target's linear layers
@@ -121,6 +121,8 @@ class SpecGenerator:
         draft / verify / other split of each generation's time (synchronises the device; off by default)."""
         if isinstance(target, PreTrainedModel):
             model = target.eval()
+            if device is not None or dtype is not None:  # as for a name: the target runs where and how asked
+                model.to(device=device, dtype=resolve_dtype(dtype))
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(model.config._name_or_path)
             target_name = model.config._name_or_path
         else:
@@ -231,13 +233,8 @@ class SpecGenerator:
             accepted = verifier.accept(tree, logits)
             cache.keep(n, n + accepted.path)  # the accepted entries (and padding) right after the context
             out = accepted.emitted(tree)  # [D+1]
-            remaining = max_new_tokens - stats.new_tokens
-            steps = torch.arange(out.shape[0], device=out.device)
-            hit = torch.isin(out, eos) & (steps <= accepted.length)
-            first_eos = torch.where(hit, steps, out.shape[0]).min()
-            count = torch.minimum(accepted.length, first_eos).clamp(max=remaining - 1) + 1
-            stop = (first_eos < out.shape[0]) | (count == remaining)
-            host = torch.cat((out, torch.stack((count, accepted.length, stop.long())))).tolist()  # the host sync
+            count, stop = emitted_count(out, accepted.length, eos, max_new_tokens - stats.new_tokens)
+            host = torch.cat((out, torch.stack((count, accepted.length, stop)))).tolist()  # the host sync
             count, length, stop = host[-3:]
             cache.crop(n + count)
             if trace is not None:
@@ -324,6 +321,19 @@ class SpecGenerator:
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         return self.generate(messages, **kwargs)
+
+
+def emitted_count(out: torch.Tensor, length: torch.Tensor, eos: torch.Tensor,
+                  remaining: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """How many of a cycle's tokens to emit, on the device: out [D+1] (a accepted tokens, the bonus, padding), length
+    a (0-dim) -> (count, stop) 0-dim longs: up to and including the first EOS, at most ``remaining``; stop is 1 when
+    an EOS was emitted or the budget is spent."""
+    steps = torch.arange(out.shape[0], device=out.device)
+    hit = torch.isin(out, eos) & (steps <= length)
+    first_eos = torch.where(hit, steps, out.shape[0]).min()
+    count = torch.minimum(length, first_eos).clamp(max=remaining - 1) + 1
+    stop = (first_eos < out.shape[0]) | (count == remaining)
+    return count, stop.long()
 
 
 def fast_draft_dtype(device: torch.device) -> torch.dtype | None:
