@@ -102,6 +102,7 @@ class SpecGenerator:
         self.timing = timing  # split draft / verify / other time in GenerationStats (synchronises the device)
         self.draft_path: Path | None = None  # the folder the head was loaded from, if any
         self._drafter: HeadDrafter | None = None
+        self._busy = False  # a generation is using the shared KV buffer and drafter
 
     @classmethod
     def from_pretrained(cls, target: str | os.PathLike | PreTrainedModel = EMBEDDED_TARGET,
@@ -183,9 +184,11 @@ class SpecGenerator:
 
     # --- generation ----------------------------------------------------------------------------------------------
 
-    def make_drafter(self, capacity: int) -> HeadDrafter:
-        """The head's drafter, prepared for one generation of up to ``capacity`` positions (built once, then reused:
-        its draft vocabulary and KV cache survive across generations)."""
+    def make_drafter(self, capacity: int, shared: bool = True) -> HeadDrafter:
+        """The head's drafter, prepared for one generation of up to ``capacity`` positions. ``shared``: the one built
+        once and reused (its draft vocabulary and KV cache survive across generations), else a new one."""
+        if not shared:
+            return HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
         if self._drafter is None or self._drafter.draft is not self.draft:
             self._drafter = HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
         else:
@@ -203,14 +206,26 @@ class SpecGenerator:
         else, EOS and budget checks included, is tensor work on the model's device. ``trace``, if given, receives
         ``(tree, path)`` of every cycle (used to tune the tree size).
         """
+        # the KV buffer and the head's drafter are reused across generations, unless another one is still running
+        shared = not self._busy
+        self._busy = True
+        try:
+            yield from self._cycles(ids, max_new_tokens, sampling, eos, generator, stats, drafter, trace, verifier,
+                                    shared)
+        finally:
+            if shared:
+                self._busy = False
+
+    def _cycles(self, ids, max_new_tokens, sampling, eos, generator, stats, drafter, trace, verifier, shared):
         clock = _Clock(self.device, stats, self.timing)
         started = time.perf_counter()
         p = ids.shape[0]
-        drafter = drafter or self.make_drafter(p + max_new_tokens)
+        drafter = drafter or self.make_drafter(p + max_new_tokens, shared)
         if verifier is None:
             choose = getattr(drafter, "verifier", None)
             verifier = choose(sampling, generator) if choose else default_verifier(sampling, generator)
-        cache = self.backend.prepare(p + max_new_tokens + drafter.total_tokens + 1)
+        max_len = p + max_new_tokens + drafter.total_tokens + 1
+        cache = self.backend.prepare(max_len) if shared else BufferCache(self.num_layers, max_len)
         hidden, logits = self.backend.prefill(ids, cache)
         token = sample_token(logits[-1], sampling, generator)  # [1]
         first, first_is_eos = torch.cat((token, torch.isin(token, eos).long())).tolist()  # host sync

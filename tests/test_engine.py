@@ -256,3 +256,25 @@ def test_buffer_cache_serves_layers_of_other_shapes():
     cache.keep(1, torch.tensor([2]))
     assert cache.length == 2 and torch.equal(cache.layers[1].keys[:, :, 1], k1[:, :, 2])
     assert torch.equal(cache.layers[0].values[:, :, 1], k0[:, :, 2] + 1)
+
+
+def test_interleaved_generations_do_not_share_buffers():
+    target = tiny_model("llama", vocab_size=96, seed=2)
+    gen = SpecGenerator(target, NoTokenizer(), head(target), depth=3, top_k=3, total_tokens=8)
+    prompts = [torch.tensor([5, 17, 33]), torch.tensor([60, 2, 71, 8, 9])]
+    refs = [target.generate(p[None], max_new_tokens=20, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    from griffin.generator import GenerationStats
+
+    runs = [gen._steps(*gen._prepare(p, 20, 0.0, 1.0, 0, None, None)[:3], gen.eos_ids([]), None, GenerationStats())
+            for p in prompts]
+    outs: list[list[int]] = [[], []]
+    live = [0, 1]
+    while live:
+        for i in list(live):  # one cycle of each in turn
+            try:
+                outs[i] += next(runs[i]).tolist()
+            except StopIteration:
+                live.remove(i)
+    assert outs == refs
+    assert gen.generate(prompts[0], max_new_tokens=20).sequences[0, 3:].tolist() == refs[0]  # shared again
+    assert not gen._busy
