@@ -86,12 +86,12 @@ class _Clock:
 class SpecGenerator:
     def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, draft: DraftModel, depth: int = 5,
                  top_k: int = 8, total_tokens: int = 24, draft_dtype: torch.dtype | None = None,
-                 weight_major_rows: int | None = None, timing: bool = False):
+                 weight_major_rows: int | None = None, timing: bool = False, compile: str | dict | None = None):
         for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.target, self.tokenizer = target, tokenizer
-        self.backend = TargetBackend(target, weight_major_rows)
+        self.backend = TargetBackend(target, weight_major_rows, compile=compile)
         self.device = self.backend.device
         self.draft = draft.to(device=self.device, dtype=draft_dtype or draft.fusion.fc.weight.dtype).eval()
         self.draft.attach(target)
@@ -110,7 +110,8 @@ class SpecGenerator:
                         total_tokens: int | str = "auto", dtype: str | torch.dtype | None = None,
                         device: str | torch.device | None = None, draft_dtype: str | torch.dtype | None = "auto",
                         tokenizer: PreTrainedTokenizerBase | None = None,
-                        weight_major_rows: int | None = None, timing: bool = False) -> SpecGenerator:
+                        weight_major_rows: int | None = None, timing: bool = False,
+                        compile: str | dict | None = None) -> SpecGenerator:
         """``target``: a name (``smollm2-135m-instruct``), a local HF folder or a loaded model (moved to ``device``
         and cast to ``dtype`` when given); ``draft``: a head folder, a :class:`DraftModel`, or None for the head
         shipped for the target. ``total_tokens="auto"`` (the default) picks the tree size and depth that maximise the
@@ -119,7 +120,9 @@ class SpecGenerator:
         :func:`fast_draft_dtype`); the head's dtype changes which tokens are drafted, never the output.
         ``weight_major_rows``: verification passes of up to this many tokens compute the target's linear layers
         weight-major (:mod:`griffin.kernels`; default 8 on CPU and 0, off, on GPUs). ``timing``: record the
-        draft / verify / other split of each generation's time (synchronises the device; off by default)."""
+        draft / verify / other split of each generation's time (synchronises the device; off by default).
+        ``compile``: run verification passes with static shapes through ``torch.compile`` (a mode such as
+        ``"reduce-overhead"``, which uses CUDA graphs, or a dict of its options; off by default)."""
         if isinstance(target, PreTrainedModel):
             model = target.eval()
             if device is not None or dtype is not None:  # as for a name: the target runs where and how asked
@@ -140,7 +143,7 @@ class SpecGenerator:
             draft_dtype = fast_draft_dtype(next(model.parameters()).device)
         gen = cls(model, tokenizer, draft, depth=depth, top_k=top_k, total_tokens=1 if total_tokens == "auto" else
                   total_tokens, draft_dtype=resolve_dtype(draft_dtype), weight_major_rows=weight_major_rows,
-                  timing=timing)
+                  timing=timing, compile=compile)
         gen.draft_path = draft_path
         if total_tokens == "auto":
             from .autotune import autotune

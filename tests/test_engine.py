@@ -278,3 +278,30 @@ def test_interleaved_generations_do_not_share_buffers():
     assert outs == refs
     assert gen.generate(prompts[0], max_new_tokens=20).sequences[0, 3:].tolist() == refs[0]  # shared again
     assert not gen._busy
+
+
+def test_compiled_static_verification_traces_whole_and_keeps_the_output():
+    target = tiny_model("llama", vocab_size=96)
+    # backend="eager": dynamo traces the static pass (fullgraph: no graph break) without generating code
+    gen = SpecGenerator(target, NoTokenizer(), head(target), depth=3, top_k=3, total_tokens=8,
+                        compile={"backend": "eager", "fullgraph": True})
+    prompt = torch.tensor([5, 17, 33, 2, 60])
+    ref = target.generate(prompt[None], max_new_tokens=16, do_sample=False)
+    out = gen.generate(prompt, max_new_tokens=16)
+    assert torch.equal(out.sequences, ref) and out.stats.cycles > 3
+    assert gen.backend.cache.max_len >= 1024 and gen.backend.cache.length == 5 + 16 - 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_verification_keeps_the_output(dtype):
+    target = tiny_model("llama", vocab_size=96).to("cuda", dtype)
+    gen = SpecGenerator(target, NoTokenizer(), head(target), depth=4, top_k=4, total_tokens=12,
+                        compile="reduce-overhead")
+    eager = SpecGenerator(target, NoTokenizer(), head(target), depth=4, top_k=4, total_tokens=12)
+    for seed in range(3):
+        prompt = torch.randint(0, 96, (6 + seed,), generator=torch.Generator().manual_seed(seed)).cuda()
+        ref = target.generate(prompt[None], max_new_tokens=32, do_sample=False)
+        assert torch.equal(eager.generate(prompt, max_new_tokens=32).sequences, ref)
+        assert torch.equal(gen.generate(prompt, max_new_tokens=32).sequences, ref)
