@@ -1,14 +1,15 @@
 """SpecGenerator: speculative generation with a draft head, exactly the target's output.
 
-One cycle: the head drafts a tree (:mod:`griffin.tree`), the target verifies every node in one forward pass through
-its public HF forward (4D tree mask, position ids, preallocated KV cache), the longest acceptable path plus one bonus
-token is emitted, the KV entries of that path are compacted in place, and the head reads the target's features of the
-accepted tokens before drafting again.
+One cycle (:meth:`SpecGenerator._steps`, the one generation loop): a drafter proposes a tree (:mod:`griffin.drafters`,
+:mod:`griffin.tree`), the target verifies every node in one forward pass (:mod:`griffin.backend`: 4D tree mask,
+position ids, a static KV buffer), a verifier picks the accepted path and the bonus token (:mod:`griffin.verify`), the
+KV entries of that path are compacted with one index copy, and the drafter reads the target's features of the
+accepted tokens before drafting again. Everything stays on the model's device; the emitted tokens go to the host once
+per cycle, and nothing else waits for the device unless timing is asked for.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -18,15 +19,15 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .backend import TargetBackend
 from .chat import prompt_ids
 from .draft import DraftModel
 from .drafters import HeadDrafter
-from .family import output_logits, verification_mask
-from .kernels import WeightMajorLinears, default_max_rows
 from .kv_cache import BufferCache
-from .sampling import SamplingConfig, accept_greedy, accept_sampling, sample_token
+from .sampling import SamplingConfig, sample_token
 from .target import EMBEDDED_TARGET, load_target, resolve_dtype
 from .tree import Tree
+from .verify import Verifier, default_verifier
 
 CHECKPOINTS = Path(os.environ.get("GRIFFIN_CHECKPOINTS", Path(__file__).resolve().parent.parent / "checkpoints"))
 DEFAULT_HEADS = {EMBEDDED_TARGET: "smollm2-135m-instruct-griffin"}
@@ -37,19 +38,17 @@ class GenerationStats:
     new_tokens: int = 0
     cycles: int = 0  # target verification passes (the prefill is not a cycle)
     accepted_hist: dict[int, int] = field(default_factory=dict)  # tokens emitted per cycle (bonus included) -> count
+    # the split of the time below is measured only with timing on (SpecGenerator(timing=True)): it synchronises
     draft_s: float = 0.0
     verify_s: float = 0.0
     other_s: float = 0.0
     prefill_s: float = 0.0
+    wall_s: float = 0.0  # time spent generating (not by the consumer of the stream), always measured
 
     @property
     def tau(self) -> float:
         """Acceptance length: new tokens per verification pass."""
         return self.new_tokens / self.cycles if self.cycles else float(self.new_tokens)
-
-    @property
-    def wall_s(self) -> float:
-        return self.draft_s + self.verify_s + self.other_s + self.prefill_s
 
     def as_dict(self) -> dict:
         return {"new_tokens": self.new_tokens, "cycles": self.cycles, "tau": self.tau,
@@ -65,39 +64,44 @@ class GenerationResult:
 
 
 class _Clock:
-    """Accumulates wall time into a stats field; synchronises CUDA so the split is honest."""
+    """Adds the time since the last lap to a stats field; synchronises the device so that the split is honest.
+    Disabled (``enabled=False``), a lap does nothing at all."""
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: torch.device, stats: GenerationStats, enabled: bool):
+        self.sync = device.type == "cuda"
+        self.stats, self.enabled = stats, enabled
         self.t = time.perf_counter()
 
-    def lap(self) -> float:
-        if self.cuda:
+    def lap(self, name: str | None = None) -> None:
+        if not self.enabled:
+            return
+        if self.sync:
             torch.cuda.synchronize()
         now = time.perf_counter()
-        elapsed, self.t = now - self.t, now
-        return elapsed
+        if name is not None:
+            setattr(self.stats, name, getattr(self.stats, name) + now - self.t)
+        self.t = now
 
 
 class SpecGenerator:
     def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, draft: DraftModel, depth: int = 5,
                  top_k: int = 8, total_tokens: int = 24, draft_dtype: torch.dtype | None = None,
-                 weight_major_rows: int | None = None):
+                 weight_major_rows: int | None = None, timing: bool = False):
         for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.target, self.tokenizer = target, tokenizer
-        self.device = next(target.parameters()).device
+        self.backend = TargetBackend(target, weight_major_rows)
+        self.device = self.backend.device
         self.draft = draft.to(device=self.device, dtype=draft_dtype or draft.fusion.fc.weight.dtype).eval()
         self.draft.attach(target)
-        self.decoder = target.get_decoder()
-        self.lm_head = target.get_output_embeddings()
+        self.decoder, self.lm_head = self.backend.decoder, self.backend.lm_head
+        self.num_layers = self.backend.num_layers
+        self.weight_major = self.backend.weight_major
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
-        self.num_layers = target.config.get_text_config().num_hidden_layers
-        if weight_major_rows is None:
-            weight_major_rows = default_max_rows(self.device)
-        self.weight_major = WeightMajorLinears(target, weight_major_rows)  # see griffin.kernels
+        self.timing = timing  # split draft / verify / other time in GenerationStats (synchronises the device)
         self.draft_path: Path | None = None  # the folder the head was loaded from, if any
+        self._drafter: HeadDrafter | None = None
 
     @classmethod
     def from_pretrained(cls, target: str | os.PathLike | PreTrainedModel = EMBEDDED_TARGET,
@@ -105,7 +109,7 @@ class SpecGenerator:
                         total_tokens: int | str = "auto", dtype: str | torch.dtype | None = None,
                         device: str | torch.device | None = None, draft_dtype: str | torch.dtype | None = "auto",
                         tokenizer: PreTrainedTokenizerBase | None = None,
-                        weight_major_rows: int | None = None) -> SpecGenerator:
+                        weight_major_rows: int | None = None, timing: bool = False) -> SpecGenerator:
         """``target``: a name (``smollm2-135m-instruct``), a local HF folder or a loaded model; ``draft``: a head
         folder, a :class:`DraftModel`, or None for the head shipped for the target. ``total_tokens="auto"`` (the
         default) picks the tree size and depth that maximise the expected speedup on this machine (measured once,
@@ -113,7 +117,8 @@ class SpecGenerator:
         ``draft_dtype="auto"`` runs the head in bf16 where the hardware computes it natively (see
         :func:`fast_draft_dtype`); the head's dtype changes which tokens are drafted, never the output.
         ``weight_major_rows``: verification passes of up to this many tokens compute the target's linear layers
-        weight-major (:mod:`griffin.kernels`; default 8 on CPU and 0, off, on GPUs)."""
+        weight-major (:mod:`griffin.kernels`; default 8 on CPU and 0, off, on GPUs). ``timing``: record the
+        draft / verify / other split of each generation's time (synchronises the device; off by default)."""
         if isinstance(target, PreTrainedModel):
             model = target.eval()
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(model.config._name_or_path)
@@ -131,7 +136,8 @@ class SpecGenerator:
         if draft_dtype == "auto":
             draft_dtype = fast_draft_dtype(next(model.parameters()).device)
         gen = cls(model, tokenizer, draft, depth=depth, top_k=top_k, total_tokens=1 if total_tokens == "auto" else
-                  total_tokens, draft_dtype=resolve_dtype(draft_dtype), weight_major_rows=weight_major_rows)
+                  total_tokens, draft_dtype=resolve_dtype(draft_dtype), weight_major_rows=weight_major_rows,
+                  timing=timing)
         gen.draft_path = draft_path
         if total_tokens == "auto":
             from .autotune import autotune
@@ -170,79 +176,86 @@ class SpecGenerator:
     def _target_forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                         cache: BufferCache, last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [q] at positions [q], allowed [q, q] among them (all past entries visible) -> hidden [q, H] and
-        logits [q, V] (or [1, V] for the last position only)."""
-        q = tokens.shape[0]
-        mask = verification_mask(self.target, cache.length, tree_mask, self.lm_head.weight.dtype)
-        small = 2 <= q <= self.weight_major.max_rows
-        with self.weight_major if small else contextlib.nullcontext():
-            hidden = self.decoder(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask,
-                                  past_key_values=cache, use_cache=True).last_hidden_state[0]  # [q, H]
-            logits = output_logits(self.target, hidden[-1:] if last_logits_only else hidden)
-        return hidden, logits
+        logits [q, V] (or [1, V] for the last position only). See :meth:`TargetBackend.forward`."""
+        return self.backend.forward(tokens, positions, tree_mask, cache, last_logits_only)
 
     # --- generation ----------------------------------------------------------------------------------------------
 
     def make_drafter(self, capacity: int) -> HeadDrafter:
-        """A drafter for one generation of up to ``capacity`` positions."""
-        return HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
+        """The head's drafter, prepared for one generation of up to ``capacity`` positions (built once, then reused:
+        its draft vocabulary and KV cache survive across generations)."""
+        if self._drafter is None or self._drafter.draft is not self.draft:
+            self._drafter = HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
+        else:
+            self._drafter.prepare(self.depth, self.top_k, self.total_tokens, capacity)
+        return self._drafter
 
     @torch.inference_mode()
     def _steps(self, ids: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig, eos: torch.Tensor,
                generator: torch.Generator | None, stats: GenerationStats, drafter=None,
-               trace: list | None = None) -> Iterator[torch.Tensor]:
-        """Yield the new tokens of each cycle ([n] LongTensor) until EOS or the token budget.
+               trace: list | None = None, verifier: Verifier | None = None) -> Iterator[torch.Tensor]:
+        """Yield the new tokens of each cycle (a CPU LongTensor [n]) until EOS or the token budget.
 
-        ``trace``, if given, receives ``(tree, path)`` of every cycle (used to tune the tree size).
+        Per cycle: ``drafter.propose`` -> one target forward -> ``verifier.accept`` -> KV compaction ->
+        ``drafter.accept``. One host sync per cycle (the emitted tokens, with their count and the stop flag); all
+        else, EOS and budget checks included, is tensor work on the model's device. ``trace``, if given, receives
+        ``(tree, path)`` of every cycle (used to tune the tree size).
         """
-        clock = _Clock(self.device)
+        clock = _Clock(self.device, stats, self.timing)
+        started = time.perf_counter()
         p = ids.shape[0]
         drafter = drafter or self.make_drafter(p + max_new_tokens)
-        tree_cap = min(self.total_tokens, self.top_k + (self.depth - 1) * self.top_k**2) + 1
-        cache = BufferCache(self.num_layers, p + max_new_tokens + max(tree_cap, drafter.total_tokens + 1))
-        positions = torch.arange(p, device=self.device)
-        causal = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()
-        hidden, logits = self._target_forward(ids, positions, causal, cache, last_logits_only=True)
-        token = sample_token(logits[-1], sampling, generator)
-        stats.prefill_s += clock.lap()
+        if verifier is None:
+            choose = getattr(drafter, "verifier", None)
+            verifier = choose(sampling, generator) if choose else default_verifier(sampling, generator)
+        cache = self.backend.prepare(p + max_new_tokens + drafter.total_tokens + 1)
+        hidden, logits = self.backend.prefill(ids, cache)
+        token = sample_token(logits[-1], sampling, generator)  # [1]
+        first, first_is_eos = torch.cat((token, torch.isin(token, eos).long())).tolist()  # host sync
+        clock.lap("prefill_s")
         stats.new_tokens = 1
-        yield token
-        if max_new_tokens == 1 or torch.isin(token, eos).any():
+        stats.wall_s += time.perf_counter() - started
+        yield torch.tensor([first])
+        started = time.perf_counter()
+        if max_new_tokens == 1 or first_is_eos:
             return
         clock.lap()
         drafter.start(ids, hidden, token)
-        stats.draft_s += clock.lap()
+        clock.lap("draft_s")
         n = p  # position of the root: the newest token, not yet seen by the target
         while True:
             tree: Tree = drafter.propose(token)
-            stats.draft_s += clock.lap()
-            hidden, logits = self._target_forward(tree.tokens, n + tree.depths, tree.ancestors, cache)
-            stats.verify_s += clock.lap()
-            if sampling.greedy:
-                path, bonus = accept_greedy(tree, logits)
-            else:
-                path, bonus = accept_sampling(tree, logits, sampling, generator)
-            emitted = torch.cat((tree.tokens[path[1:]], bonus))
-            cache.keep(n, n + path)
-            if trace is not None:
-                trace.append((tree, path))
-            stats.cycles += 1
-            stats.accepted_hist[len(emitted)] = stats.accepted_hist.get(len(emitted), 0) + 1
+            clock.lap("draft_s")
+            hidden, logits = self.backend.forward(tree.tokens, n + tree.depths, tree.ancestors, cache)
+            clock.lap("verify_s")
+            accepted = verifier.accept(tree, logits)
+            cache.keep(n, n + accepted.path)  # the accepted entries (and padding) right after the context
+            out = accepted.emitted(tree)  # [D+1]
             remaining = max_new_tokens - stats.new_tokens
-            hits = torch.isin(emitted, eos).nonzero()
-            stop = len(hits) > 0 or len(emitted) >= remaining
-            if len(hits):
-                emitted = emitted[: int(hits[0]) + 1]
-            emitted = emitted[:remaining]
-            stats.new_tokens += len(emitted)
-            stats.other_s += clock.lap()
-            yield emitted
+            steps = torch.arange(out.shape[0], device=out.device)
+            hit = torch.isin(out, eos) & (steps <= accepted.length)
+            first_eos = torch.where(hit, steps, out.shape[0]).min()
+            count = torch.minimum(accepted.length, first_eos).clamp(max=remaining - 1) + 1
+            stop = (first_eos < out.shape[0]) | (count == remaining)
+            host = torch.cat((out, torch.stack((count, accepted.length, stop.long())))).tolist()  # the host sync
+            count, length, stop = host[-3:]
+            cache.crop(n + count)
+            if trace is not None:
+                trace.append((tree, accepted.path[: length + 1]))
+            stats.cycles += 1
+            stats.accepted_hist[count] = stats.accepted_hist.get(count, 0) + 1
+            stats.new_tokens += count
+            clock.lap("other_s")
+            stats.wall_s += time.perf_counter() - started
+            yield torch.tensor(host[:count])
+            started = time.perf_counter()
             if stop:
                 return
             clock.lap()  # time spent by the consumer is nobody's
-            drafter.accept(emitted, hidden[path])
-            n += len(emitted)
-            token = emitted[-1:]
-            stats.draft_s += clock.lap()
+            drafter.accept(out[:count], hidden[accepted.path[:count]])
+            n += count
+            token = out[count - 1 : count]
+            clock.lap("draft_s")
 
     def _prepare(self, inputs, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
                  max_length: int | None, seed: int | None):
@@ -257,7 +270,7 @@ class SpecGenerator:
             max_new_tokens = min(max_new_tokens, max_length - ids.shape[0])
         generator = None
         if not sampling.greedy:
-            generator = torch.Generator()
+            generator = torch.Generator(device=self.device)
             if seed is None:
                 generator.seed()
             else:
@@ -281,12 +294,12 @@ class SpecGenerator:
         for chunk in self._steps(ids, budget, sampling, self.eos_ids(eos_token_id), generator, stats, drafter):
             chunks.append(chunk)
             if streamer is not None:
-                streamer.put(chunk.cpu())
+                streamer.put(chunk)
         if streamer is not None:
             streamer.end()
         new = torch.cat(chunks)
         text = self.tokenizer.decode(new, skip_special_tokens=True)
-        return GenerationResult(torch.cat((ids, new))[None], stats, text)
+        return GenerationResult(torch.cat((ids, new.to(ids.device)))[None], stats, text)
 
     def stream(self, inputs, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                eos_token_id: int | Sequence[int] | None = None, max_length: int | None = None,

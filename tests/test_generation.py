@@ -179,7 +179,9 @@ def test_generation_is_reproducible_with_a_seed():
 def test_stream_and_streamers(smol_generator, capsys):
     smol_generator.depth, smol_generator.top_k, smol_generator.total_tokens = 4, 4, 12
     messages = [{"role": "user", "content": "Say hello."}]
+    smol_generator.timing = True
     result = smol_generator.chat(messages, max_new_tokens=12)
+    smol_generator.timing = False
     pieces = list(smol_generator.stream(messages, max_new_tokens=12))
     assert len(pieces) > 1 and "".join(pieces) == result.text
     smol_generator.generate(messages, max_new_tokens=12,
@@ -189,6 +191,9 @@ def test_stream_and_streamers(smol_generator, capsys):
     assert stats.new_tokens == sum(k * v for k, v in stats.accepted_hist.items()) + 1  # +1: the prefill's token
     assert stats.tau == stats.new_tokens / stats.cycles
     assert stats.wall_s > 0 and stats.verify_s > 0 and stats.draft_s > 0
+    assert stats.draft_s + stats.verify_s + stats.other_s + stats.prefill_s <= stats.wall_s * 1.01
+    untimed = smol_generator.chat(messages, max_new_tokens=12).stats
+    assert untimed.wall_s > 0 and untimed.draft_s == untimed.verify_s == 0  # no clock on the loop without timing
 
 
 def test_bad_input_raises_value_errors_naming_the_fix():
@@ -219,16 +224,22 @@ def test_context_tokens_join_a_reduced_draft_vocabulary():
     target = tiny_model("llama", vocab_size=96)
     head = DraftModel(DraftConfig.from_target(target.config, draft_vocab_size=10)).attach(target)
     vocab = DraftVocab(head, extra_capacity=4)
-    assert vocab.size == 10 and vocab.ids[:10].tolist() == list(range(10))
-    vocab.add(torch.tensor([3, 50, 50, 70, 80, 90, 91, 92]))  # grows past its preallocated capacity
-    assert vocab.size == 16 and sorted(vocab.ids[10:16].tolist()) == [50, 70, 80, 90, 91, 92]
-    torch.testing.assert_close(vocab.weight[10:16], target.lm_head.weight[vocab.ids[10:16]])
+    assert int(vocab.size) == 10 and vocab.ids[:10].tolist() == list(range(10))
     predict = torch.randn(2, 64)
-    torch.testing.assert_close(vocab.logits(predict), predict @ target.lm_head.weight[vocab.ids[:16]].T)
+    assert vocab.logits(predict).shape == (2, 14) and vocab.logits(predict)[:, 10:].isinf().all()  # masked slots
+    vocab.add(torch.tensor([3, 50, 50, 70]))  # 3 is static, 50 comes twice
+    assert int(vocab.size) == 12 and vocab.ids[10:12].tolist() == [50, 70]
+    vocab.add(torch.tensor([92, 91, 90, 50]))  # two free slots left: the smallest new ids take them
+    assert int(vocab.size) == 14 and vocab.ids[10:14].tolist() == [50, 70, 90, 91]
+    torch.testing.assert_close(vocab.logits(predict), predict @ target.lm_head.weight[vocab.ids[:14]].T)
+    assert vocab.slot_of[3] == 4 and vocab.slot_of[92] == 0
+    vocab.reserve(6)  # a new generation: context tokens are forgotten, static ones stay
+    assert int(vocab.size) == 10 and vocab.logits(predict).shape == (2, 16) and vocab.slot_of[50] == 0
+    assert vocab.slot_of[3] == 4
     head.config.context_vocab = False
     fixed = DraftVocab(head)
     fixed.add(torch.tensor([50]))
-    assert fixed.size == 10
+    assert int(fixed.size) == 10 and fixed.logits(predict).shape == (2, 10)
     # generation stays exact whichever tokens the head may propose
     head.config.context_vocab = True
     gen = SpecGenerator(target, NoTokenizer(), head, depth=4, top_k=4, total_tokens=12)
