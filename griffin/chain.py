@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from .sampling import SamplingConfig, warp
+from .tree import Tree
+from .verify import Acceptance
+
 Tensor = torch.Tensor
 
 
@@ -61,3 +65,20 @@ def chain_accept_greedy(tokens: Tensor, p_logits: Tensor) -> tuple[Tensor, Tenso
     best = p_logits.argmax(dim=-1)  # [γ+1]
     accepted = (tokens == best[:-1]).int().cumprod(0).sum()
     return accepted, best[accepted].view(1)
+
+
+class ChainVerifier:
+    """The verifier of chain proposals from a draft LM (:class:`griffin.draft_lm.DraftLMDrafter`): the p/q chain rule
+    on the target's warped logits and ``tree.q`` (greedy: the argmax rule, no q needed)."""
+
+    def __init__(self, cfg: SamplingConfig, generator: torch.Generator | None):
+        self.cfg, self.generator = cfg, generator
+
+    def accept(self, tree: Tree, logits: Tensor) -> Acceptance:
+        """tree: root and γ drafted tokens, ``tree.q`` [γ+1, V] (row γ unused); logits [γ+1, V]."""
+        tokens = tree.tokens[1:]
+        if self.cfg.greedy:
+            length, bonus = chain_accept_greedy(tokens, logits)
+        else:
+            length, bonus = chain_accept(tokens, tree.q[:-1], warp(logits, self.cfg), self.generator)
+        return Acceptance(torch.arange(tree.size, device=logits.device), length, bonus)
