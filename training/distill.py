@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--select", default="none", choices=["none", "adaspec"])
     p.add_argument("--reference", default=None, help="frozen FKL-distilled student for --select adaspec")
     p.add_argument("--select-frac", type=float, default=0.4, help="AdaSPEC: fraction of tokens kept per batch")
-    p.add_argument("--steps", type=int, default=200, help="optimizer updates")
+    p.add_argument("--steps", type=int, default=200, help="optimizer updates (0: save the undistilled student)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per process per update")
     p.add_argument("--max-len", type=int, default=256, help="truncate fixed-data conversations")
     p.add_argument("--max-prompt", type=int, default=192, help="skip prompts longer than this (online data)")
@@ -102,8 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be in [0, 1]")
     if args.select == "adaspec" and not args.reference:
         p.error("--select adaspec needs --reference (a student distilled with FKL from the same start)")
-    if min(args.steps, args.batch_size, args.layers, args.gen_len, args.max_len, args.max_samples) < 1:
-        p.error("--steps, --batch-size, --layers, --gen-len, --max-len and --max-samples must be at least 1")
+    if min(args.batch_size, args.layers, args.gen_len, args.max_len, args.max_samples) < 1 or args.steps < 0:
+        p.error("--batch-size, --layers, --gen-len, --max-len and --max-samples must be at least 1, --steps at "
+                "least 0 (0: save the student undistilled)")
     if args.draft_vocab < 0:
         p.error("--draft-vocab must be >= 0")
     return args
