@@ -4,6 +4,7 @@ transformers' generate, the sampling distribution by chi-square), chains, reduce
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -130,3 +131,21 @@ def test_an_incompatible_draft_folder_is_refused(embedded, tmp_path):
     save_draft_lm(other, tmp_path, tokenizer=edited_copy(tokenizer, swap))
     with pytest.raises(TokenizerMismatch, match="vocabulary differs: id .* is '(hello|world)'"):
         SpecGenerator.from_pretrained(model, tokenizer=tokenizer, draft_model=tmp_path, gamma=2)
+
+
+def test_gamma_auto_is_chosen_from_measured_costs_and_cached(tiny_target_dir, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("GRIFFIN_CACHE", str(tmp_path / "cache"))
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    save_draft_lm(build_student(target, 1), tmp_path / "student", torch.arange(500),
+                  AutoTokenizer.from_pretrained(tiny_target_dir))
+    gen = SpecGenerator.from_pretrained(str(tiny_target_dir), draft_model=tmp_path / "student", gamma="auto")
+    tuned = list((tmp_path / "cache" / "autotune").glob("draft-lm-*.json"))
+    assert len(tuned) == 1
+    choice = json.loads(tuned[0].read_text())
+    assert 1 <= gen.gamma == choice["gamma"] <= 8 and 0 <= choice["alpha"] <= 1
+    best = max(choice["candidates"], key=lambda row: row["speedup"])
+    assert best["gamma"] == gen.gamma and len(choice["candidates"]) == 8
+    again = SpecGenerator.from_pretrained(str(tiny_target_dir), draft_model=tmp_path / "student", gamma="auto")
+    assert again.gamma == gen.gamma and len(list((tmp_path / "cache" / "autotune").iterdir())) == 1
