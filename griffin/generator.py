@@ -21,7 +21,9 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .backend import TargetBackend
 from .chat import prompt_ids
+from .compat import check_compatible
 from .draft import DraftModel
+from .draft_lm import DraftLM, DraftLMDrafter, load_draft_lm
 from .drafters import HeadDrafter
 from .kv_cache import BufferCache
 from .sampling import SamplingConfig, sample_token
@@ -84,24 +86,32 @@ class _Clock:
 
 
 class SpecGenerator:
-    def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, draft: DraftModel, depth: int = 5,
-                 top_k: int = 8, total_tokens: int = 24, draft_dtype: torch.dtype | None = None,
-                 weight_major_rows: int | None = None, timing: bool = False, compile: str | dict | None = None):
-        for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
+    """Speculative generation with a draft head (EAGLE-2 trees) or a standalone draft LM (``draft`` a
+    :class:`griffin.draft_lm.DraftLM`: chains of ``gamma`` tokens, classic speculative sampling)."""
+
+    def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, draft: DraftModel | DraftLM,
+                 depth: int = 5, top_k: int = 8, total_tokens: int = 24, draft_dtype: torch.dtype | None = None,
+                 weight_major_rows: int | None = None, timing: bool = False, gamma: int = 4,
+                 compile: str | dict | None = None):
+        for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens), ("gamma", gamma)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.target, self.tokenizer = target, tokenizer
         self.backend = TargetBackend(target, weight_major_rows, compile=compile)
         self.device = self.backend.device
-        self.draft = draft.to(device=self.device, dtype=draft_dtype or draft.fusion.fc.weight.dtype).eval()
-        self.draft.attach(target)
+        self.gamma = gamma  # chain length of a draft LM
+        if isinstance(draft, DraftLM):
+            self.draft = draft
+        else:
+            self.draft = draft.to(device=self.device, dtype=draft_dtype or draft.fusion.fc.weight.dtype).eval()
+            self.draft.attach(target)
         self.decoder, self.lm_head = self.backend.decoder, self.backend.lm_head
         self.num_layers = self.backend.num_layers
         self.weight_major = self.backend.weight_major
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.timing = timing  # split draft / verify / other time in GenerationStats (synchronises the device)
         self.draft_path: Path | None = None  # the folder the head was loaded from, if any
-        self._drafter: HeadDrafter | None = None
+        self._drafter: HeadDrafter | DraftLMDrafter | None = None
         self._busy = False  # a generation is using the shared KV buffer and drafter
 
     @classmethod
@@ -111,7 +121,9 @@ class SpecGenerator:
                         device: str | torch.device | None = None, draft_dtype: str | torch.dtype | None = "auto",
                         tokenizer: PreTrainedTokenizerBase | None = None,
                         weight_major_rows: int | None = None, timing: bool = False,
-                        compile: str | dict | None = None) -> SpecGenerator:
+                        compile: str | dict | None = None,
+                        draft_model: str | os.PathLike | PreTrainedModel | None = None,
+                        gamma: int | str = "auto") -> SpecGenerator:
         """``target``: a name (``smollm2-135m-instruct``), a local HF folder or a loaded model (moved to ``device``
         and cast to ``dtype`` when given); ``draft``: a head folder, a :class:`DraftModel`, or None for the head
         shipped for the target. ``total_tokens="auto"`` (the default) picks the tree size and depth that maximise the
@@ -122,7 +134,13 @@ class SpecGenerator:
         weight-major (:mod:`griffin.kernels`; default 8 on CPU and 0, off, on GPUs). ``timing``: record the
         draft / verify / other split of each generation's time (synchronises the device; off by default).
         ``compile``: run verification passes with static shapes through ``torch.compile`` (a mode such as
-        ``"reduce-overhead"``, which uses CUDA graphs, or a dict of its options; off by default)."""
+        ``"reduce-overhead"``, which uses CUDA graphs, or a dict of its options; off by default).
+
+        ``draft_model``: a standalone draft LM instead of a head (classic speculative sampling): a folder (e.g. from
+        ``python -m training.distill``) or a loaded HF causal LM that uses the target's tokenizer (checked first:
+        :func:`griffin.compat.check_compatible`). It drafts chains of ``gamma`` tokens; ``gamma="auto"`` (the default)
+        picks the length with the best expected speedup from measured costs and acceptance (cached, like the tree
+        size)."""
         if isinstance(target, PreTrainedModel):
             model = target.eval()
             if device is not None or dtype is not None:  # as for a name: the target runs where and how asked
@@ -133,6 +151,8 @@ class SpecGenerator:
             model, loaded_tokenizer = load_target(target, dtype=dtype, device=device)
             tokenizer = tokenizer or loaded_tokenizer
             target_name = str(target)
+        if draft_model is not None:
+            return cls._with_draft_lm(model, tokenizer, draft_model, gamma, draft_dtype, weight_major_rows, timing)
         if draft is None:
             draft = default_head(target_name)
         draft_path = None
@@ -149,6 +169,37 @@ class SpecGenerator:
             from .autotune import autotune
 
             gen.depth, gen.top_k, gen.total_tokens = autotune(gen)
+        return gen
+
+    @classmethod
+    def _with_draft_lm(cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                       draft_model: str | os.PathLike | PreTrainedModel, gamma: int | str,
+                       draft_dtype: str | torch.dtype | None, weight_major_rows: int | None,
+                       timing: bool) -> SpecGenerator:
+        device = next(model.parameters()).device
+        dtype = None if draft_dtype == "auto" else resolve_dtype(draft_dtype)
+        vocab, draft_path = None, None
+        if isinstance(draft_model, PreTrainedModel):
+            lm = draft_model.to(device=device, dtype=dtype).eval()
+            source = Path(lm.config._name_or_path or "")
+            if not (source / "tokenizer_config.json").is_file():
+                raise ValueError("the draft model was not loaded from a folder with its tokenizer, which the "
+                                 "compatibility check needs: save it with its tokenizer and pass the folder")
+            draft_tokenizer = AutoTokenizer.from_pretrained(source)
+        else:
+            draft_path = Path(draft_model)
+            lm, draft_tokenizer, vocab = load_draft_lm(draft_path, dtype=dtype, device=device)
+        check_compatible(tokenizer, draft_tokenizer, model, lm)
+        if gamma != "auto" and (not isinstance(gamma, int) or gamma < 1):
+            raise ValueError(f"gamma must be a positive integer or 'auto', got {gamma!r}")
+        draft = DraftLM(lm, vocab, target_width=model.get_output_embeddings().weight.shape[0])
+        gen = cls(model, tokenizer, draft, weight_major_rows=weight_major_rows, timing=timing,
+                  gamma=1 if gamma == "auto" else gamma)
+        gen.draft_path = draft_path
+        if gamma == "auto":
+            from .draft_lm import tune_gamma
+
+            gen.gamma = tune_gamma(gen)["gamma"]
         return gen
 
     # --- inputs --------------------------------------------------------------------------------------------------
@@ -187,9 +238,17 @@ class SpecGenerator:
 
     # --- generation ----------------------------------------------------------------------------------------------
 
-    def make_drafter(self, capacity: int, shared: bool = True) -> HeadDrafter:
-        """The head's drafter, prepared for one generation of up to ``capacity`` positions. ``shared``: the one built
-        once and reused (its draft vocabulary and KV cache survive across generations), else a new one."""
+    def make_drafter(self, capacity: int, shared: bool = True) -> HeadDrafter | DraftLMDrafter:
+        """The drafter, prepared for one generation of up to ``capacity`` positions. ``shared``: the one built once
+        and reused (its draft vocabulary and KV cache survive across generations), else a new one."""
+        if isinstance(self.draft, DraftLM):
+            if not shared:
+                return DraftLMDrafter(self.draft, self.gamma, capacity)
+            if self._drafter is None or self._drafter.draft is not self.draft:
+                self._drafter = DraftLMDrafter(self.draft, self.gamma, capacity)
+            else:
+                self._drafter.prepare(self.gamma, capacity)
+            return self._drafter
         if not shared:
             return HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
         if self._drafter is None or self._drafter.draft is not self.draft:
