@@ -56,7 +56,11 @@ step() {  # step NAME LIMIT LOG COMMAND...: runs COMMAND under min(LIMIT, time l
 
 {
     echo "== environment ($(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown))"
-    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 || echo "no nvidia-smi"
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1
+    else
+        echo "no nvidia-smi"
+    fi
     python -c "import sys, torch, transformers, accelerate
 print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda,
       '| transformers', transformers.__version__, '| accelerate', accelerate.__version__)
