@@ -12,6 +12,7 @@
 #   4. python -m inference.gpu_engine --shapes llama3-8b                                 -> the same files
 #   5. python -m inference.gpu_engine --shapes llama2-7b --quick --compile --tag compile -> engine-<gpu>-compile.*
 #      (with the time left; GPU_CHECK_COMPILE=0 skips it, and tiny runs skip it unless GPU_CHECK_COMPILE=1)
+# GPU_CHECK_SHAPES="llama3-8b" picks the shapes of steps 3-4; GPU_CHECK_QUICK=1 runs them with --quick.
 # Benchmark output goes to bench.log. At most 7 files in $OUT. Exit code: the first failing step's (0: all passed).
 set -u
 OUT=${OUT:-gpu-check}
@@ -24,12 +25,14 @@ status=0
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 GRIFFIN_LOG=${GRIFFIN_LOG:-INFO}
 
 if [ "${GPU_CHECK_TINY:-0}" = 1 ]; then
-    shapes=(tiny)
+    read -ra shapes <<<"${GPU_CHECK_SHAPES:-tiny}"
     compile=${GPU_CHECK_COMPILE:-0}
 else
-    shapes=(llama2-7b llama3-8b)
+    read -ra shapes <<<"${GPU_CHECK_SHAPES:-llama2-7b llama3-8b}"
     compile=${GPU_CHECK_COMPILE:-1}
 fi
+quick=()
+[ "${GPU_CHECK_QUICK:-0}" = 1 ] && quick=(--quick)
 
 step() {  # step NAME LIMIT LOG COMMAND...: runs COMMAND under min(LIMIT, time left) and notes the outcome
     local name=$1 limit=$2 log=$3
@@ -72,7 +75,8 @@ if [ "${GPU_CHECK_TESTS:-1}" = 1 ]; then
     step "CUDA tests" 210 "$OUT/pytest-cuda.log" python -m pytest -q -m cuda -rs --durations=20 -p no:cacheprovider
 fi
 for shape in "${shapes[@]}"; do
-    step "benchmark $shape" 150 "$OUT/bench.log" python -m inference.gpu_engine --shapes "$shape" --out-dir "$OUT"
+    step "benchmark $shape" 150 "$OUT/bench.log" python -m inference.gpu_engine --shapes "$shape" "${quick[@]}" \
+        --out-dir "$OUT"
 done
 if [ "$compile" = 1 ]; then
     step "benchmark ${shapes[0]} with torch.compile" 300 "$OUT/bench.log" \

@@ -27,7 +27,7 @@ from griffin.tree import build_tree
 from tests.conftest import run_module, tiny_model
 from tests.test_generation import check_eos_and_budget, check_greedy_identity, check_sampling_distribution
 from tests.test_training import synthetic_items
-from training.store import Conversation, shard_name, write_manifest, write_shard
+from training.store import shard_name, write_manifest, write_shard
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -121,8 +121,7 @@ def gpu_store(tmp_path_factory) -> Path:
              "num_tokens": sum(len(c.input_ids) for c in items),
              "num_loss_tokens": int(sum(int(c.loss_mask.sum()) for c in items))}
     store = folder / "features"
-    write_shard(store / shard_name(0), [Conversation(c.input_ids, c.loss_mask, c.hidden) for c in items], stats, 60,
-                32, torch.float16)
+    write_shard(store / shard_name(0), items, stats, 60, 32, torch.float16)
     build = {"format": "griffin-features/1", "target": str(folder / "target"), "hidden_size": 32, "vocab_size": 60,
              "target_fingerprint": target_fingerprint(AutoConfig.from_pretrained(folder / "target")),
              "max_len": 64, "dtype": "float16"}
