@@ -23,6 +23,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from .config import DraftConfig
+from .family import logits_transform
 from .io import atomic_write
 from .target import target_fingerprint
 
@@ -134,6 +135,7 @@ class DraftModel(nn.Module):
         else:
             self.draft_vocab = None
         self._shared: dict[str, torch.Tensor | nn.Module | None] = {}
+        self.logits_transform = logits_transform(config)  # identity until attached
         self.apply(self._init_weights)
 
     @staticmethod
@@ -161,6 +163,7 @@ class DraftModel(nn.Module):
             log.warning("draft head was trained for target %s with another architecture fingerprint; acceptance may "
                         "be poor (outputs stay exact)", cfg.target.get("name"))
         self._shared = {"embed": target.get_input_embeddings(), "lm_head": target.get_output_embeddings()}
+        self.logits_transform = logits_transform(tcfg)  # the target's own logits step (griffin.family)
         return self
 
     @property
@@ -185,7 +188,7 @@ class DraftModel(nn.Module):
     def logits(self, predict: torch.Tensor) -> torch.Tensor:
         """predict [.., H] -> logits over the static draft vocabulary [.., V_d] (drafting uses DraftVocab)."""
         weight = self.lm_weight_full()[self.static_vocab().to(predict.device)]
-        return F.linear(predict, weight.to(predict.dtype))
+        return self.logits_transform(F.linear(predict, weight.to(predict.dtype)))
 
     # --- forward -----------------------------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ class DraftVocab:
     def __init__(self, draft, extra_capacity: int = 2048):
         weight = draft.lm_weight_full()  # [V, H]
         self.dtype = draft.fusion.fc.weight.dtype
+        self.transform = draft.logits_transform  # the target's logits step, so that draft scores are on its scale
         static = draft.static_vocab().to(weight.device)
         self.dynamic = draft.config.context_vocab and draft.draft_vocab is not None
         capacity = static.shape[0] + (extra_capacity if self.dynamic else 0)
@@ -49,7 +50,7 @@ class DraftVocab:
 
     def logits(self, predict: torch.Tensor) -> torch.Tensor:
         """predict [.., H] -> logits over the current draft tokens [.., size]."""
-        return predict.to(self.dtype) @ self.weight[: self.size].T
+        return self.transform(predict.to(self.dtype) @ self.weight[: self.size].T)
 
     def to_target_ids(self, index: torch.Tensor) -> torch.Tensor:
         return self.ids[index]
