@@ -10,7 +10,6 @@ Shapes: B batch, T new positions, S keys (cache + new), H hidden, nh/nkv heads, 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -18,13 +17,13 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from .config import DraftConfig
 from .family import logits_transform
-from .io import atomic_write
+from .io import atomic_write, load_safetensors, read_json
 from .target import target_fingerprint
 
 log = logging.getLogger(__name__)
@@ -265,15 +264,21 @@ class DraftModel(nn.Module):
         config_path = folder / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{folder} is not a draft head folder: config.json is missing")
-        raw = json.loads(config_path.read_text())
+        raw = read_json(config_path, "head config")
+        if not isinstance(raw, dict):
+            raise ValueError(f"{config_path} holds a JSON {type(raw).__name__}, not a head config object")
         if is_official_config(raw):
             model = load_official(folder, raw, target_config)
         else:
             weights = folder / WEIGHTS_NAME
             if not weights.is_file():
                 raise FileNotFoundError(f"{weights} is missing")
-            model = cls(DraftConfig.from_dict(raw))
-            state = load_file(str(weights))
+            try:
+                config = DraftConfig.from_dict(raw)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"{config_path}: {err}") from None
+            model = cls(config)
+            state = load_safetensors(weights)
             check_state_dict(model, state, str(weights))
             model.load_state_dict(state)
         model.requires_grad_(False).eval()

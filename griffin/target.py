@@ -49,11 +49,13 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 @contextmanager
-def file_lock(path: Path):
-    """An exclusive advisory lock held for the duration of the block (serialises concurrent first use)."""
+def file_lock(path: Path, wait: bool = True):
+    """An exclusive advisory lock held for the duration of the block (serialises concurrent first use).
+
+    ``wait=False``: raise BlockingIOError at once if another process holds it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        fcntl.flock(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         try:
             yield
         finally:
