@@ -95,10 +95,10 @@ def expected_tau(trace: list, total: int, depth: int) -> float:
     return sum(accepted) / len(accepted)
 
 
-def autotune(gen, max_new_tokens: int = 96) -> tuple[int, int, int]:
+def autotune(gen, max_new_tokens: int = 96, retune: bool = False) -> tuple[int, int, int]:
     """-> (depth, top_k, total_tokens) for ``gen``'s target and head on this machine (cached)."""
     path = cache_dir() / "autotune" / f"{_key(gen)}.json"
-    if path.is_file():
+    if path.is_file() and not retune:
         choice = json.loads(path.read_text())
         return choice["depth"], choice["top_k"], choice["total_tokens"]
     log.info("tuning the tree size for this machine and head (once; cached in %s)", path)

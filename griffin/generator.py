@@ -10,6 +10,9 @@ per cycle, and nothing else waits for the device unless timing is asked for.
 
 from __future__ import annotations
 
+import logging
+import math
+import numbers
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -20,17 +23,19 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .backend import TargetBackend
-from .chat import prompt_ids
+from .chat import check_messages, prompt_ids
 from .compat import check_compatible
 from .draft import DraftModel
 from .draft_lm import DraftLM, DraftLMDrafter, load_draft_lm
 from .drafters import HeadDrafter
+from .family import check_target
 from .kv_cache import BufferCache
 from .sampling import SamplingConfig, sample_token
-from .target import EMBEDDED_TARGET, load_target, resolve_dtype
+from .target import EMBEDDED_TARGET, load_target, resolve_dtype, resolve_target_path
 from .tree import Tree
 from .verify import Verifier, default_verifier
 
+log = logging.getLogger(__name__)
 CHECKPOINTS = Path(os.environ.get("GRIFFIN_CHECKPOINTS", Path(__file__).resolve().parent.parent / "checkpoints"))
 DEFAULT_HEADS = {EMBEDDED_TARGET: "smollm2-135m-instruct-griffin"}
 
@@ -123,11 +128,13 @@ class SpecGenerator:
                         weight_major_rows: int | None = None, timing: bool = False,
                         compile: str | dict | None = None,
                         draft_model: str | os.PathLike | PreTrainedModel | None = None,
-                        gamma: int | str = "auto") -> SpecGenerator:
+                        gamma: int | str = "auto", retune: bool = False) -> SpecGenerator:
         """``target``: a name (``smollm2-135m-instruct``), a local HF folder or a loaded model (moved to ``device``
-        and cast to ``dtype`` when given); ``draft``: a head folder, a :class:`DraftModel`, or None for the head
-        shipped for the target. ``total_tokens="auto"`` (the default) picks the tree size and depth that maximise the
-        expected speedup on this machine (measured once, then cached), overriding ``depth``; pass an int to fix it.
+        and cast to ``dtype`` when given; its tokenizer is then found locally from the name it was loaded under, or
+        pass ``tokenizer``); ``draft``: a head folder, a :class:`DraftModel`, or None for the head shipped for the
+        target. ``total_tokens="auto"`` (the default) picks the tree size and depth that maximise the speedup on this
+        machine (measured once in under a minute, then cached; ``retune=True`` measures again), overriding
+        ``depth``; pass an int to fix the tree and skip tuning.
         ``draft_dtype="auto"`` runs the head in bf16 where the hardware computes it natively (see
         :func:`fast_draft_dtype`); the head's dtype changes which tokens are drafted, never the output.
         ``weight_major_rows``: verification passes of up to this many tokens compute the target's linear layers
@@ -140,17 +147,25 @@ class SpecGenerator:
         ``python -m training.distill``) or a loaded HF causal LM that uses the target's tokenizer (checked first:
         :func:`griffin.compat.check_compatible`). It drafts chains of ``gamma`` tokens; ``gamma="auto"`` (the default)
         picks the length with the best expected speedup from measured costs and acceptance (cached, like the tree
-        size)."""
+        size).
+
+        The output is the target's own: greedy tokens equal ``transformers``' ``generate`` on the same model, dtype
+        and device (see :mod:`griffin.family` for what "identical" means in bf16 on GPUs); targets whose family
+        verification cannot reproduce are refused with the reason (:func:`griffin.family.check_target`)."""
+        if total_tokens != "auto" and (isinstance(total_tokens, bool) or not isinstance(total_tokens, int)
+                                       or total_tokens < 1):
+            raise ValueError(f"total_tokens must be 'auto' or a positive integer, got {total_tokens!r}")
         if isinstance(target, PreTrainedModel):
             model = target.eval()
             if device is not None or dtype is not None:  # as for a name: the target runs where and how asked
                 model.to(device=device, dtype=resolve_dtype(dtype))
-            tokenizer = tokenizer or AutoTokenizer.from_pretrained(model.config._name_or_path)
+            tokenizer = tokenizer or local_tokenizer(model)
             target_name = model.config._name_or_path
         else:
             model, loaded_tokenizer = load_target(target, dtype=dtype, device=device)
             tokenizer = tokenizer or loaded_tokenizer
             target_name = str(target)
+        check_target(model)
         if draft_model is not None:
             return cls._with_draft_lm(model, tokenizer, draft_model, gamma, draft_dtype, weight_major_rows, timing)
         if draft is None:
@@ -168,7 +183,7 @@ class SpecGenerator:
         if total_tokens == "auto":
             from .autotune import autotune
 
-            gen.depth, gen.top_k, gen.total_tokens = autotune(gen)
+            gen.depth, gen.top_k, gen.total_tokens = autotune(gen, retune=retune)
         return gen
 
     @classmethod
@@ -213,11 +228,25 @@ class SpecGenerator:
         elif isinstance(inputs, torch.Tensor):
             if inputs.dim() == 2 and inputs.shape[0] != 1:
                 raise ValueError(f"batch size {inputs.shape[0]} is not supported yet: pass one prompt")
+            if inputs.dim() > 2 or inputs.is_floating_point() or inputs.is_complex() or inputs.dtype == torch.bool:
+                raise ValueError(f"token ids must be a 1D integer tensor, got dtype {inputs.dtype} and shape "
+                                 f"{tuple(inputs.shape)}")
             ids = inputs.reshape(-1).tolist()
-        else:
+        elif isinstance(inputs, (Sequence, Iterator)) and not isinstance(inputs, (bytes, dict)):
             ids = list(inputs)
+            bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, numbers.Integral)), None)
+            if bad is not None:
+                raise ValueError(f"token ids must be integers, got {bad!r} ({type(bad).__name__}); pass a string or "
+                                 "chat messages to have them tokenized")
+        else:
+            raise ValueError(f"cannot generate from a {type(inputs).__name__}: pass token ids, a string or chat "
+                             "messages")
         if len(ids) == 0:
             raise ValueError("the prompt is empty: pass at least one token")
+        vocab = self.target.get_input_embeddings().num_embeddings
+        out_of_range = [i for i in ids if not 0 <= int(i) < vocab]
+        if out_of_range:
+            raise ValueError(f"token ids {out_of_range[:5]} are outside the target's vocabulary [0, {vocab})")
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def eos_ids(self, eos_token_id: int | Sequence[int] | None) -> torch.Tensor:
@@ -225,7 +254,9 @@ class SpecGenerator:
             eos_token_id = self.target.generation_config.eos_token_id
             if eos_token_id is None:
                 eos_token_id = self.tokenizer.eos_token_id
-        ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        ids = [eos_token_id] if isinstance(eos_token_id, numbers.Integral) else list(eos_token_id or [])
+        if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in ids):
+            raise ValueError(f"eos_token_id must be an integer or a list of integers, got {eos_token_id!r}")
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     # --- target ------------------------------------------------------------------------------------------------------
@@ -333,22 +364,32 @@ class SpecGenerator:
 
     def _prepare(self, inputs, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
                  max_length: int | None, seed: int | None):
-        sampling = SamplingConfig(temperature, top_p, top_k)
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        check_sampling_arguments(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                 max_length=max_length, seed=seed)
+        check_target(self.target)
+        sampling = SamplingConfig(float(temperature), float(top_p), int(top_k))
         ids = self.encode(inputs)
         if max_length is not None:
             if ids.shape[0] >= max_length:
                 raise ValueError(f"the prompt has {ids.shape[0]} tokens, which leaves no room under max_length="
                                  f"{max_length}: raise max_length or shorten the prompt")
             max_new_tokens = min(max_new_tokens, max_length - ids.shape[0])
+        window = context_window(self.target)
+        if window is not None:
+            if ids.shape[0] >= window:
+                raise ValueError(f"the prompt has {ids.shape[0]} tokens but the target's context window is {window} "
+                                 "tokens: shorten the prompt")
+            if ids.shape[0] + max_new_tokens > window:
+                log.warning("generation stops at the target's context window (%d tokens): at most %d new tokens",
+                            window, window - ids.shape[0])
+                max_new_tokens = window - ids.shape[0]
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=self.device)
             if seed is None:
                 generator.seed()
             else:
-                generator.manual_seed(seed)
+                generator.manual_seed(int(seed))
         return ids, max_new_tokens, sampling, generator
 
     def generate(self, inputs, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
@@ -395,9 +436,56 @@ class SpecGenerator:
 
     def chat(self, messages: list[dict[str, str]], **kwargs) -> GenerationResult:
         """Apply the target's chat template to ``messages`` and generate the assistant's reply (``result.text``)."""
-        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-        return self.generate(messages, **kwargs)
+        return self.generate(check_messages(messages), **kwargs)
+
+
+def check_sampling_arguments(max_new_tokens, temperature, top_p, top_k, max_length, seed) -> None:
+    """Clear errors for wrongly typed or out-of-range generation arguments (NaN, strings, bools, negatives ...)."""
+
+    def integer(value) -> bool:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+    def real(value) -> bool:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+    if not integer(max_new_tokens) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if max_length is not None and (not integer(max_length) or max_length <= 0):
+        raise ValueError(f"max_length must be a positive integer or None, got {max_length!r}")
+    if not real(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not real(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if not integer(top_k) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    if seed is not None and not integer(seed):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+
+
+def context_window(model) -> int | None:
+    """The longest sequence the target was built for (``max_position_embeddings``), if its config says."""
+    window = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    return window if isinstance(window, int) and window > 0 else None
+
+
+def local_tokenizer(model: PreTrainedModel) -> PreTrainedTokenizerBase:
+    """The tokenizer of a loaded target, found on this machine from the name it was loaded under (never downloaded)."""
+    name = str(getattr(model.config, "_name_or_path", "") or "")
+    hint = "pass tokenizer= (e.g. the one load_target returned)"
+    if not name:
+        raise ValueError(f"the target model records no name to find its tokenizer by: {hint}")
+    try:
+        folder = resolve_target_path(name)
+    except FileNotFoundError:
+        folder = None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder or name, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"no tokenizer for {name!r} on this machine ({type(err).__name__}; model hubs are not "
+                         f"contacted): {hint}") from err
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def emitted_count(out: torch.Tensor, length: torch.Tensor, eos: torch.Tensor,

@@ -26,6 +26,7 @@ class DraftVocab:
         full = draft.lm_weight_full()  # [V, H]
         self.full, self.vocab_size = full, full.shape[0]
         self.dtype = draft.fusion.fc.weight.dtype
+        self.transform = draft.logits_transform  # the target's logits step, so that draft scores are on its scale
         device = full.device
         static = draft.static_vocab().to(device)
         self.static_size = static.shape[0]
@@ -80,10 +81,11 @@ class DraftVocab:
         self.size += write.sum()
 
     def logits(self, predict: torch.Tensor) -> torch.Tensor:
-        """predict [.., H] -> logits over the draft slots [.., capacity] (-inf for unused slots)."""
+        """predict [.., H] -> logits over the draft slots [.., capacity] (-inf for unused slots), after the target's
+        own logits step."""
         n = self.capacity
-        bias = None if self.bias is None else self.bias[:n]
-        return torch.nn.functional.linear(predict.to(self.dtype), self.weight[:n], bias)
+        logits = self.transform(torch.nn.functional.linear(predict.to(self.dtype), self.weight[:n]))
+        return logits if self.bias is None else logits + self.bias[:n]
 
     def to_target_ids(self, index: torch.Tensor) -> torch.Tensor:
         return self.ids[index]

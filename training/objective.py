@@ -162,7 +162,7 @@ class Rollout:
         vocab = draft.static_vocab().to(device) if vocab is None else vocab
         weight = draft.lm_weight_full()[vocab]  # [V, H] frozen lm_head rows of the proposable tokens
         with torch.no_grad():
-            target_logits = F.linear(batch.targets, weight).float()  # [B, T, V]
+            target_logits = draft.logits_transform(F.linear(batch.targets, weight)).float()  # [B, T, V]
         to_local = torch.full((draft.config.vocab_size,), -1, dtype=torch.long, device=device)
         to_local[vocab] = torch.arange(vocab.shape[0], device=device)
         gt = torch.where(batch.next_tokens >= 0, to_local[batch.next_tokens.clamp(min=0)], -1)  # [B, T], -1: absent
@@ -179,7 +179,7 @@ class Rollout:
             out = draft.forward_fused(h, position_ids, version_mixed_mask(k, batch.valid), past_kv=past)
             keys.append(out.key)
             values.append(out.value)
-            logits = F.linear(out.predict, weight.to(out.predict.dtype)).float()  # [B, T, V]
+            logits = draft.logits_transform(F.linear(out.predict, weight.to(out.predict.dtype))).float()  # [B, T, V]
             labels, gt_k = target_logits, gt
             if seen is not None:
                 context_end = torch.arange(t, device=device) - (k - 1)  # [T] last context position of the tree

@@ -25,6 +25,7 @@ import os
 import shutil
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -33,9 +34,9 @@ from tqdm.auto import tqdm
 from griffin.config import DraftConfig
 from griffin.draft import DraftModel
 from griffin.io import atomic_write, atomic_write_json
-from griffin.target import load_target_head, resolve_dtype, target_fingerprint
+from griffin.target import file_lock, load_target_head, resolve_dtype, target_fingerprint
 
-from .cli import run_cli
+from .cli import fraction, nonnegative_float, nonnegative_int, positive_float, positive_int, prepare_out, run_cli
 from .losses import NAMES as TOKEN_LOSSES
 from .losses import make_token_loss
 from .objective import MultiPassObjective, make_batch
@@ -44,8 +45,12 @@ from .store import FeatureStore, StoreError
 log = logging.getLogger("train")
 INPUT_ERRORS = (StoreError,)  # reported as one line, exit 2
 STATE = "train_state"
+LOCK = ".lock"  # held by the run writing into --out
 VALIDATION = "validation.json"
 SPLIT_SEED = 1234  # fixed so that every head trained on a store is validated on the same conversations
+RESUME_SETTINGS = ("arch", "steps", "topk", "epochs", "max_updates", "lr", "warmup", "batch_size", "max_len",
+                   "draft_vocab", "init_from", "seed", "grad_clip", "weight_decay", "noise", "w_token",
+                   "mixed_precision", "val_fraction", "val_max")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,22 +60,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output folder (head, validation.json, resumable train_state/)")
     p.add_argument("--target", default=None, help="target name or folder (default: the one the features record)")
     p.add_argument("--arch", default="griffin", choices=["griffin", "eagle"])
-    p.add_argument("--steps", type=int, default=3, help="forward passes per update, K (default: %(default)s)")
-    p.add_argument("--topk", type=int, default=3, help="alignment mask top-k; 0 = no token mask (HASS)")
-    p.add_argument("--epochs", type=int, default=1, help="epochs (per stage with --progressive)")
-    p.add_argument("--max-updates", type=int, default=None, help="stop after this many updates (per stage)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 5e-5 for K=1, else 3e-5)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up updates (default: 3%% of the run)")
-    p.add_argument("--batch-size", type=int, default=4, help="conversations per process per update")
-    p.add_argument("--max-len", type=int, default=None, help="truncate conversations (default: the store's)")
-    p.add_argument("--draft-vocab", type=int, default=0,
+    p.add_argument("--steps", type=positive_int, default=3, help="forward passes per update, K (default: %(default)s)")
+    p.add_argument("--topk", type=nonnegative_int, default=3, help="alignment mask top-k; 0 = no token mask (HASS)")
+    p.add_argument("--epochs", type=positive_int, default=1, help="epochs (per stage with --progressive)")
+    p.add_argument("--max-updates", type=positive_int, default=None, help="stop after this many updates (per stage)")
+    p.add_argument("--lr", type=positive_float, default=None,
+                   help="peak learning rate (default: 5e-5 for K=1, else 3e-5)")
+    p.add_argument("--warmup", type=nonnegative_int, default=None, help="warm-up updates (default: 3%% of the run)")
+    p.add_argument("--batch-size", type=positive_int, default=4, help="conversations per process per update")
+    p.add_argument("--max-len", type=_max_len, default=None, help="truncate conversations (default: the store's)")
+    p.add_argument("--draft-vocab", type=nonnegative_int, default=0,
                    help="restrict the head's logits to the N most frequent assistant tokens (0 = full vocabulary)")
     p.add_argument("--init-from", default=None, help="start from an earlier head (e.g. the K=1 stage)")
     p.add_argument("--progressive", action="store_true", help="train stages K=1..--steps, each from the previous")
     p.add_argument("--resume", action="store_true", help="continue a killed run in --out")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--grad-clip", type=float, default=0.5)
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--grad-clip", type=nonnegative_float, default=0.5, help="0 = off")
+    p.add_argument("--weight-decay", type=nonnegative_float, default=0.0)
     p.add_argument("--noise", type=float, default=0.2, help="uniform feature noise scale (0 = off)")
     p.add_argument("--w-token", type=float, default=0.1, help="weight of the token loss")
     p.add_argument("--token-loss", default="soft-ce", choices=TOKEN_LOSSES,
@@ -83,23 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--select-frac", type=float, default=0.4, help="fraction of positions AdaSPEC keeps, in (0, 1]")
     p.add_argument("--mixed-precision", default=None, choices=["no", "bf16", "fp16"],
                    help="autocast (default: accelerate's config; bf16 works on CPU too)")
-    p.add_argument("--save-every", type=int, default=200, help="save the resumable state every N updates")
+    p.add_argument("--save-every", type=positive_int, default=200, help="save the resumable state every N updates")
     p.add_argument("--save-dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="dtype of the saved head")
-    p.add_argument("--val-fraction", type=float, default=0.05)
-    p.add_argument("--val-max", type=int, default=None, help="validate on at most N held-out conversations")
+    p.add_argument("--val-fraction", type=fraction, default=0.05)
+    p.add_argument("--val-max", type=positive_int, default=None, help="validate on at most N held-out conversations")
     args = p.parse_args(argv)
-    if args.steps < 1:
-        p.error("--steps must be at least 1")
-    if args.topk < 0:
-        p.error("--topk must be >= 0 (0 = no token mask)")
-    if args.batch_size < 1 or args.epochs < 1:
-        p.error("--batch-size and --epochs must be at least 1")
-    if args.max_updates is not None and args.max_updates < 1:
-        p.error("--max-updates must be at least 1")
-    if args.draft_vocab < 0:
-        p.error("--draft-vocab must be >= 0")
-    if not 0 < args.val_fraction < 1:
-        p.error("--val-fraction must be in (0, 1)")
     if not 0 < args.jsd_beta < 1:
         p.error("--jsd-beta must be in (0, 1)")
     if args.select == "adaspec" and not args.reference:
@@ -109,6 +103,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0 < args.select_frac <= 1:
         p.error("--select-frac must be in (0, 1]")
     return args
+
+
+def _max_len(text: str) -> int:
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2 (a position reads one token and predicts the next), "
+                                         f"got {text!r}")
+    return value
 
 
 def split(n: int, fraction: float) -> tuple[list[int], list[int]]:
@@ -182,9 +184,16 @@ class Trainer:
             self.val_idx = self.val_idx[: args.val_max]
         if not self.train_idx:
             raise StoreError(f"{args.features} holds too few conversations to train on ({len(store)})")
-        self.max_len = args.max_len or store.manifest["max_len"]
+        stored = store.manifest["max_len"]
+        if args.max_len and args.max_len > stored:
+            raise StoreError(f"--max-len {args.max_len} is longer than the conversations in {args.features} (built "
+                             f"with --max-len {stored}): use at most {stored}, or rebuild the features")
+        self.max_len = args.max_len or stored
         torch.manual_seed(args.seed)
         draft = build_head(args, store, target_head)
+        if args.topk > draft.config.output_vocab_size:
+            raise ValueError(f"--topk {args.topk} is larger than the head's draft vocabulary "
+                             f"({draft.config.output_vocab_size} tokens): use at most that")
         token_loss = make_token_loss(args.token_loss, jsd_beta=args.jsd_beta)
         reference = load_reference(args.reference, draft, target_head) if args.select == "adaspec" else None
         self.objective = MultiPassObjective(draft, args.steps, args.topk, w_token=args.w_token, noise=args.noise,
@@ -204,6 +213,8 @@ class Trainer:
         scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=warmup, num_training_steps=self.total)
         self.objective, self.optimizer, self.scheduler = accelerator.prepare(self.objective, optimizer, scheduler)
         self.progress = {"epoch": 0, "step": 0, "updates": 0, "tokens": 0, "seconds": 0.0}
+        # what a resumed run must share with the run it continues (a changed flag would be silently mixed in)
+        self.settings = {k: getattr(args, k, None) for k in RESUME_SETTINGS} | {"processes": accelerator.num_processes}
         self.history: list[dict] = []
         self.run_info = {"arch": args.arch, "steps": args.steps, "topk": args.topk, "lr": lr, "warmup": warmup,
                          "total_updates": self.total, "global_batch": self.global_batch, "max_len": self.max_len,
@@ -232,7 +243,8 @@ class Trainer:
         self.acc.save_state(str(tmp))
         self.acc.wait_for_everyone()
         if self.acc.is_main_process:
-            atomic_write_json(tmp / "progress.json", {**self.progress, "history": self.history})
+            atomic_write_json(tmp / "progress.json", {**self.progress, "history": self.history,
+                                                      "settings": self.settings})
             if state.exists():
                 shutil.rmtree(old, ignore_errors=True)
                 os.replace(state, old)
@@ -254,6 +266,12 @@ class Trainer:
         self.acc.load_state(str(state))
         saved = json.loads((state / "progress.json").read_text())
         self.history = saved.pop("history")
+        settings = saved.pop("settings", self.settings)
+        diff = sorted(k for k in set(settings) | set(self.settings) if settings.get(k) != self.settings.get(k))
+        if diff:
+            raise StoreError(f"{self.out} holds a run started with other settings ("
+                             + ", ".join(f"{k}: {settings.get(k)!r} then, {self.settings.get(k)!r} now" for k in diff)
+                             + "): rerun with the same flags to resume it, or use a new --out")
         self.progress = saved
         log.info("resumed at epoch %d, step %d (%d updates done)", saved["epoch"], saved["step"], saved["updates"])
 
@@ -339,20 +357,26 @@ class Trainer:
             totals = torch.zeros(5, self.args.steps, device=acc.device)
         totals = acc.reduce(totals, reduction="sum")
         sums, counts, kept, top1, topk = totals.tolist()
-        first = max(kept[0], 1)
         report_k = acc.unwrap_model(self.objective).report_k
-        passes = [{"pass": k + 1, "loss": sums[k] / max(counts[k], 1), "top1": top1[k] / max(kept[k], 1),
-                   f"top{report_k}": topk[k] / max(kept[k], 1), "kept": kept[k] / first,
+
+        def ratio(a: float, b: float) -> float | None:  # None: nothing was measured (never reported as 0)
+            return a / b if b else None
+
+        passes = [{"pass": k + 1, "loss": ratio(sums[k], counts[k]), "top1": ratio(top1[k], kept[k]),
+                   f"top{report_k}": ratio(topk[k], kept[k]), "kept": ratio(kept[k], kept[0]),
                    "positions": int(kept[k])} for k in range(self.args.steps)]
         record = {"epoch": epoch, "updates": self.progress["updates"], "tokens": self.progress["tokens"],
                   "train_seconds": round(self.progress["seconds"], 1),
                   "train_tokens_per_s": self.progress["tokens"] / max(self.progress["seconds"], 1e-9),
                   "passes": passes}
         self.history.append(record)
-        if acc.is_main_process:
-            log.info("validation after epoch %d: %s", epoch,
-                     "; ".join(f"pass {p['pass']}: top1 {p['top1']:.3f} kept {p['kept']:.2f} loss {p['loss']:.3f}"
-                               for p in passes))
+        if acc.is_main_process and not counts[0]:
+            log.warning("validation after epoch %d measured nothing: the %d held-out conversations have no assistant "
+                        "token within --max-len (raise --val-fraction or --val-max)", epoch, len(self.val_idx))
+        elif acc.is_main_process:
+            log.info("validation after epoch %d: %s", epoch, "; ".join(
+                f"pass {p['pass']}: " + (f"top1 {p['top1']:.3f} kept {p['kept']:.2f} loss {p['loss']:.3f}"
+                                         if p["positions"] else "no position kept") for p in passes))
         self.objective.train()
         return record
 
@@ -391,13 +415,25 @@ def train_stage(args: argparse.Namespace, store: FeatureStore) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    out = prepare_out(args.out)
     store = FeatureStore(args.features)
     if len(store) == 0:
         raise StoreError(f"{args.features} holds no conversations: rebuild it with more --max-samples")
+    with ExitStack() as stack:
+        if int(os.environ.get("RANK", "0")) == 0:  # one lock per run, held by its main process
+            try:
+                stack.enter_context(file_lock(out / LOCK, wait=False))
+            except BlockingIOError:
+                raise StoreError(f"another training run is writing into {out}: wait for it to finish or use another "
+                                 "--out") from None
+        train_stages(args, store, out)
+    return 0
+
+
+def train_stages(args: argparse.Namespace, store: FeatureStore, out: Path) -> None:
     if not args.progressive:
         train_stage(args, store)
-        return 0
-    out = Path(args.out)
+        return
     previous = args.init_from
     for k in range(1, args.steps + 1):
         stage = argparse.Namespace(**vars(args))
@@ -412,7 +448,6 @@ def main(argv: list[str] | None = None) -> int:
         previous = stage.out
     for name in ("config.json", "model.safetensors", VALIDATION):
         atomic_write(out / name, lambda p, src=Path(previous) / name: shutil.copyfile(src, p))
-    return 0
 
 
 if __name__ == "__main__":
