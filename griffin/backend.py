@@ -88,7 +88,7 @@ class TargetBackend:
         self.model = model
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
-        self.device = self.lm_head.weight.device
+        self.device = model.get_input_embeddings().weight.device  # where token ids go in
         self.num_layers = model.config.get_text_config().num_hidden_layers
         if weight_major_rows is None:
             weight_major_rows = default_max_rows(self.device)

@@ -305,3 +305,21 @@ def test_cuda_graph_verification_keeps_the_output(dtype):
         ref = target.generate(prompt[None], max_new_tokens=32, do_sample=False)
         assert torch.equal(eager.generate(prompt, max_new_tokens=32).sequences, ref)
         assert torch.equal(gen.generate(prompt, max_new_tokens=32).sequences, ref)
+
+
+def test_small_verification_passes_run_weight_major_on_cpu(monkeypatch):
+    import torch.nn.functional as F
+
+    target = tiny_model("llama", vocab_size=64)
+    backend = TargetBackend(target)  # CPU: weight-major up to 8 rows by default
+    backend.prepare(64)
+    backend.prefill(torch.arange(10))
+    calls = []
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    for size, linear_calls in ((3, 0), (11, 2 * 7 + 1)):  # all q, k, v, o, gate, up, down and the LM head
+        calls.clear()
+        tree = chain(torch.tensor([1]), torch.arange(2, 2 + size))
+        backend.forward(tree.tokens, 10 + tree.depths, tree.ancestors)
+        backend.cache.crop(10)
+        assert len(calls) == linear_calls, size
