@@ -267,7 +267,7 @@ class Shape:
         self.name, self.args, self.plan, self.report = name, args, plan, report
         self.device, dtype = args.device, resolve_dtype(args.dtype)
         torch.manual_seed(args.seed)
-        (self.model, build_s) = timed(self.device, lambda: random_target(name, self.device, dtype))
+        self.model, build_s = timed(self.device, lambda: random_target(name, self.device, dtype))
         head = untrained_head(self.model, self.device, args.draft_vocab)
         vocab = self.model.config.vocab_size
         self.gen = SpecGenerator(self.model, IdTokenizer(vocab), head, depth=DEPTH, top_k=TOP_K,
@@ -365,7 +365,8 @@ class Shape:
         self.save()
 
     def compiled(self) -> None:
-        """The target's decoder and the head under torch.compile: compile time, then 1-4 again."""
+        """The norms, MLPs and fusion modules of the target and the head under torch.compile (:func:`compile_modules`):
+        the time of the first calls, which compile, then 1-4 again."""
         record = self.result["compile"] = {"mode": "torch.compile(dynamic=True) of every RMSNorm, MLP and fusion "
                                                    "module of the target and the head"}
         try:
