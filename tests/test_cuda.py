@@ -50,7 +50,7 @@ def test_eos_and_budget_on_the_gpu(dtype):
 
 
 def test_sampling_matches_the_target_distribution_on_the_gpu():
-    check_sampling_distribution(1.0, 0.9, CUDA, torch.bfloat16)
+    check_sampling_distribution(1.0, 0.9, CUDA, torch.bfloat16, runs=6000)  # a few ms per run: fewer than on CPU
 
 
 # --- tree attention --------------------------------------------------------------------------------------------------
