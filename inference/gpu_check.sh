@@ -6,7 +6,7 @@
 #
 # Steps, each under its own time limit and all of them within GPU_CHECK_BUDGET seconds (default 500):
 #   1. environment: nvidia-smi, python, torch and CUDA, transformers, accelerate       -> summary.txt
-#   2. python -m pytest -q -m cuda   (the CUDA tier: lossless at bf16/fp16, training)   -> pytest-cuda.log
+#   2. python -m pytest -v -m cuda   (the CUDA tier: lossless at bf16/fp16, training)   -> pytest-cuda.log
 #      (GPU_CHECK_TESTS=0 skips it)
 #   3. python -m inference.gpu_engine --shapes llama2-7b                                 -> engine-<gpu>.{json,md}
 #   4. python -m inference.gpu_engine --shapes llama3-8b                                 -> the same files
@@ -72,7 +72,7 @@ print('GPU:', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'n
 } >>"$summary"
 
 if [ "${GPU_CHECK_TESTS:-1}" = 1 ]; then
-    step "CUDA tests" 240 "$OUT/pytest-cuda.log" python -m pytest -q -m cuda -rs --durations=20 -p no:cacheprovider
+    step "CUDA tests" 240 "$OUT/pytest-cuda.log" python -m pytest -v -m cuda -rs --durations=20 -p no:cacheprovider
 fi
 for shape in "${shapes[@]}"; do
     step "benchmark $shape" 140 "$OUT/bench.log" python -m inference.gpu_engine --shapes "$shape" "${quick[@]}" \
