@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .config import DraftConfig
-from .io import atomic_write, atomic_write_json
+from .io import atomic_write, atomic_write_json, load_safetensors
 
 _LAYER = {
     "layers.0.self_attn.q_proj.weight": "layer.self_attn.q_proj.weight",
@@ -51,9 +51,16 @@ def is_official_config(raw: dict[str, Any]) -> bool:
 
 def read_official_state(folder: Path) -> dict[str, torch.Tensor]:
     if (folder / "model.safetensors").is_file():
-        return load_file(str(folder / "model.safetensors"))
+        return load_safetensors(folder / "model.safetensors")
     if (folder / "pytorch_model.bin").is_file():
-        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as err:  # torch raises several kinds (UnpicklingError, RuntimeError, EOFError) for bad files
+            raise ValueError(f"{folder / 'pytorch_model.bin'} is truncated, corrupted or not a plain state dict "
+                             f"({type(err).__name__}: {' '.join(str(err).split())[:200]})") from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise ValueError(f"{folder / 'pytorch_model.bin'} is not a state dict of tensors")
+        return state
     raise FileNotFoundError(f"{folder} holds neither model.safetensors nor pytorch_model.bin")
 
 
@@ -74,11 +81,14 @@ def load_official(folder: Path, raw_config: dict[str, Any], target_config=None):
     overrides: dict[str, Any] = {"fc_bias": "fusion.fc.bias" in state}
     if arch == "griffin":
         overrides["tgf_intermediate_size"] = state["fusion.up.weight"].shape[0]
-    if target_config is not None:
-        config = DraftConfig.from_target(target_config, arch=arch, **overrides)
-        config.intermediate_size = raw_config.get("intermediate_size", config.intermediate_size)
-    else:
-        config = DraftConfig.from_target(raw_config, arch=arch, **overrides)
+    try:
+        if target_config is not None:
+            config = DraftConfig.from_target(target_config, arch=arch, **overrides)
+            config.intermediate_size = raw_config.get("intermediate_size", config.intermediate_size)
+        else:
+            config = DraftConfig.from_target(raw_config, arch=arch, **overrides)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{folder / 'config.json'} (an official {arch} config): {err}") from None
     model = DraftModel(config)
     check_state_dict(model, state, str(folder))
     model.load_state_dict({k: v.float() for k, v in state.items()})

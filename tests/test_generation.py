@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -219,7 +220,9 @@ def test_generation_is_reproducible_with_a_seed():
 def test_stream_and_streamers(smol_generator, capsys):
     smol_generator.depth, smol_generator.top_k, smol_generator.total_tokens = 4, 4, 12
     messages = [{"role": "user", "content": "Say hello."}]
+    smol_generator.timing = True
     result = smol_generator.chat(messages, max_new_tokens=12)
+    smol_generator.timing = False
     pieces = list(smol_generator.stream(messages, max_new_tokens=12))
     assert len(pieces) > 1 and "".join(pieces) == result.text
     smol_generator.generate(messages, max_new_tokens=12,
@@ -229,28 +232,95 @@ def test_stream_and_streamers(smol_generator, capsys):
     assert stats.new_tokens == sum(k * v for k, v in stats.accepted_hist.items()) + 1  # +1: the prefill's token
     assert stats.tau == stats.new_tokens / stats.cycles
     assert stats.wall_s > 0 and stats.verify_s > 0 and stats.draft_s > 0
+    assert stats.draft_s + stats.verify_s + stats.other_s + stats.prefill_s <= stats.wall_s * 1.01
+    untimed = smol_generator.chat(messages, max_new_tokens=12).stats
+    assert untimed.wall_s > 0 and untimed.draft_s == untimed.verify_s == 0  # no clock on the loop without timing
 
 
-def test_bad_input_raises_value_errors_naming_the_fix():
-    target = tiny_model("llama", vocab_size=50)
-    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target))
-    cases = [
-        (dict(inputs=[]), "prompt is empty"),
-        (dict(inputs=[1, 2, 3], max_length=3), "raise max_length"),
-        (dict(inputs=[1], max_new_tokens=0), "max_new_tokens must be a positive integer"),
-        (dict(inputs=[1], temperature=-1.0), "temperature must be >= 0"),
-        (dict(inputs=[1], temperature=1.0, top_p=0.0), "top_p must be in"),
-        (dict(inputs=[1], temperature=1.0, top_p=1.5), "top_p must be in"),
-        (dict(inputs=[1], temperature=1.0, top_k=-2), "top_k must be >= 0"),
-    ]
-    for kwargs, message in cases:
-        with pytest.raises(ValueError, match=message):
-            gen.generate(**kwargs)
+BAD_CALLS = [  # (generate keyword arguments, the error's words); each is one kind of bad input
+    (dict(inputs=[]), "prompt is empty"),
+    (dict(inputs=[1, 2, 3], max_length=3), "raise max_length"),
+    (dict(inputs=[1], max_length=0), "max_length must be a positive integer"),
+    *[(dict(inputs=[1], max_new_tokens=v), "max_new_tokens must be a positive integer") for v in (0, -3, 1.5, True,
+                                                                                                 "10", None)],
+    *[(dict(inputs=[1], temperature=v), "temperature must be a finite number >= 0") for v in (-1.0, float("nan"),
+                                                                                             float("inf"), "0.7",
+                                                                                             None, True)],
+    *[(dict(inputs=[1], temperature=1.0, top_p=v), r"top_p must be a number in \(0, 1\]") for v in (0.0, 1.5,
+                                                                                                    float("nan"),
+                                                                                                    "0.9")],
+    *[(dict(inputs=[1], temperature=1.0, top_k=v), "top_k must be an integer >= 0") for v in (-2, 2.5, True, "5")],
+    *[(dict(inputs=[1], temperature=1.0, seed=v), "seed must be an integer or None") for v in ("x", 1.5)],
+    (dict(inputs=[1, 50]), r"token ids \[50\] are outside the target's vocabulary \[0, 50\)"),
+    (dict(inputs=torch.tensor([[-1, 2]])), r"token ids \[-1\] are outside"),
+    (dict(inputs=torch.tensor([1.0, 2.0])), "token ids must be a 1D integer tensor"),
+    (dict(inputs=[1.5, 2]), "token ids must be integers, got 1.5"),
+    (dict(inputs=[True, 2]), "token ids must be integers, got True"),
+    (dict(inputs=None), "cannot generate from a NoneType"),
+    (dict(inputs=7), "cannot generate from a int"),
+    (dict(inputs=torch.zeros(2, 3, dtype=torch.long)), "batch size 2 is not supported"),
+    (dict(inputs=[1] * 64), "the prompt has 64 tokens but the target's context window is 64 tokens"),
+    (dict(inputs=[1], eos_token_id="x"), "eos_token_id must be an integer or a list of integers"),
+    (dict(inputs=[{"role": "robot", "content": "hi"}]), "role 'robot', which chat templates do not know"),
+    (dict(inputs=[{"role": "user", "content": 3}]), "content of type int"),
+    (dict(inputs=[{"role": "user"}]), "must be a dict with 'role' and 'content'"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD_CALLS, ids=[str(i) for i in range(len(BAD_CALLS))])
+def test_bad_generation_arguments_raise_value_errors_naming_the_fix(kwargs, message, bad_input_generator):
+    with pytest.raises(ValueError, match=message):
+        bad_input_generator.generate(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def bad_input_generator():
+    target = tiny_model("llama", vocab_size=50, max_position_embeddings=64)
+    return SpecGenerator(target, NoTokenizer(), untrained_head(target))
+
+
+def test_bad_construction_and_conversations_raise_value_errors(bad_input_generator, caplog):
+    gen = bad_input_generator
+    target = gen.target
+    out = gen.generate([1] * 60, max_new_tokens=20)  # budget capped at the context window, with a warning
+    assert out.sequences.shape[1] == 64 and "context window (64 tokens)" in caplog.text
+    for messages in ([], {"role": "user", "content": "hi"}, None):
+        with pytest.raises(ValueError, match="messages must be a non-empty list"):
+            gen.chat(messages)
     other = tiny_model("llama", vocab_size=70)
     with pytest.raises(ValueError, match="use a head trained for this target"):
         SpecGenerator(other, NoTokenizer(), untrained_head(target))
     with pytest.raises(ValueError, match="depth must be a positive integer"):
         SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=0)
+    for total in (0, "big", 2.5):
+        with pytest.raises(ValueError, match="total_tokens must be 'auto' or a positive integer"):
+            SpecGenerator.from_pretrained(target, untrained_head(target), tokenizer=NoTokenizer(), total_tokens=total)
+    target.config._name_or_path = "no-such-org/no-such-model"  # not a folder, not in any local cache
+    with pytest.raises(ValueError, match="no tokenizer for 'no-such-org/no-such-model' on this machine .*tokenizer="):
+        SpecGenerator.from_pretrained(target, untrained_head(target), total_tokens=4)
+
+
+def test_a_chat_template_that_refuses_a_conversation_gives_its_reason(smol_tokenizer):
+    from griffin.chat import TemplateError, prompt_ids
+
+    tokenizer = copy.deepcopy(smol_tokenizer)
+    tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                               "supported') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert prompt_ids(tokenizer, [{"role": "user", "content": "hi"}])
+    with pytest.raises(TemplateError, match="the chat template refused the conversation: System role not supported"):
+        prompt_ids(tokenizer, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    tokenizer.chat_template = None
+    with pytest.raises(TemplateError, match="the tokenizer has no chat template: pass token ids or a string"):
+        prompt_ids(tokenizer, [{"role": "user", "content": "hi"}])
+
+
+def test_a_loaded_embedded_target_finds_its_tokenizer_locally(embedded, monkeypatch):
+    model, tokenizer = embedded
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # any hub lookup would fail here (and no network is reachable)
+    gen = SpecGenerator.from_pretrained(model, untrained_head(model, draft_vocab_size=1024), total_tokens=4)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert gen.encode(messages).tolist() == tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                          tokenize=True, return_dict=False)
 
 
 def test_context_tokens_join_a_reduced_draft_vocabulary():
@@ -259,16 +329,22 @@ def test_context_tokens_join_a_reduced_draft_vocabulary():
     target = tiny_model("llama", vocab_size=96)
     head = DraftModel(DraftConfig.from_target(target.config, draft_vocab_size=10)).attach(target)
     vocab = DraftVocab(head, extra_capacity=4)
-    assert vocab.size == 10 and vocab.ids[:10].tolist() == list(range(10))
-    vocab.add(torch.tensor([3, 50, 50, 70, 80, 90, 91, 92]))  # grows past its preallocated capacity
-    assert vocab.size == 16 and sorted(vocab.ids[10:16].tolist()) == [50, 70, 80, 90, 91, 92]
-    torch.testing.assert_close(vocab.weight[10:16], target.lm_head.weight[vocab.ids[10:16]])
+    assert int(vocab.size) == 10 and vocab.ids[:10].tolist() == list(range(10))
     predict = torch.randn(2, 64)
-    torch.testing.assert_close(vocab.logits(predict), predict @ target.lm_head.weight[vocab.ids[:16]].T)
+    assert vocab.logits(predict).shape == (2, 14) and vocab.logits(predict)[:, 10:].isinf().all()  # masked slots
+    vocab.add(torch.tensor([3, 50, 50, 70]))  # 3 is static, 50 comes twice
+    assert int(vocab.size) == 12 and vocab.ids[10:12].tolist() == [50, 70]
+    vocab.add(torch.tensor([92, 91, 90, 50]))  # two free slots left: the smallest new ids take them
+    assert int(vocab.size) == 14 and vocab.ids[10:14].tolist() == [50, 70, 90, 91]
+    torch.testing.assert_close(vocab.logits(predict), predict @ target.lm_head.weight[vocab.ids[:14]].T)
+    assert vocab.slot_of[3] == 4 and vocab.slot_of[92] == 0
+    vocab.reserve(6)  # a new generation: context tokens are forgotten, static ones stay
+    assert int(vocab.size) == 10 and vocab.logits(predict).shape == (2, 16) and vocab.slot_of[50] == 0
+    assert vocab.slot_of[3] == 4
     head.config.context_vocab = False
     fixed = DraftVocab(head)
     fixed.add(torch.tensor([50]))
-    assert fixed.size == 10
+    assert int(fixed.size) == 10 and fixed.logits(predict).shape == (2, 10)
     # generation stays exact whichever tokens the head may propose
     head.config.context_vocab = True
     gen = SpecGenerator(target, NoTokenizer(), head, depth=4, top_k=4, total_tokens=12)

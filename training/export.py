@@ -33,6 +33,19 @@ from .train import VALIDATION
 STAGES = "stages.json"  # the validation reports of every training stage, oldest first
 
 
+def objective_text(run: dict) -> str:
+    """The training objective of a run, in words (runs from before ``--token-loss`` used soft cross-entropy)."""
+    loss = run.get("token_loss", "soft-ce")
+    words = {"soft-ce": "soft cross-entropy", "fkl": "forward KL", "rkl": "reverse KL", "tvd": "total variation",
+             "tvdpp": "TVD++", "jsd": f"JSD(β={run.get('jsd_beta')})"}[loss]
+    text = (f"Loss: SmoothL1 feature regression plus {run.get('w_token', 0.1):g} × {words} (`--token-loss {loss}`) "
+            "between the target's and the head's token distributions.")
+    if run.get("select") == "adaspec":
+        text += (f" AdaSPEC token selection: each batch trains on the {run['select_frac']:g} of positions where the "
+                 f"head's per-token forward KL exceeds the frozen reference `{run['reference']}`'s the most.")
+    return text
+
+
 def layout_text(head: DraftModel, fmt: str, dtype: str) -> list[str]:
     """The card's paragraph on the checkpoint's layout."""
     cfg = head.config
@@ -76,8 +89,8 @@ def card(name: str, dst: Path, head: DraftModel, report: dict, results: list[dic
     lines += [f"Data: the feature store `{run['features']}` ({run['train_conversations']} training and "
               f"{run['val_conversations']} held-out conversations, the target's own hidden states). Optimiser AdamW "
               "(0.9, 0.95), cosine schedule with warm-up, gradient clipping 0.5, feature noise "
-              f"{run['noise']}.{' ' + notes if notes else ''}", "", "## Validation (held-out conversations, last "
-              "epoch)", ""]
+              f"{run['noise']}. {objective_text(run)}{' ' + notes if notes else ''}", "",
+              "## Validation (held-out conversations, last epoch)", ""]
     passes = report["epochs"][-1]["passes"]
     topk_key = next((k for k in passes[0] if k.startswith("top") and k != "top1"), "top1")
     lines.append(markdown_table(["pass", "top-1", topk_key.replace("top", "top-"), "kept", "loss"],
