@@ -225,6 +225,7 @@ def forward_costs(gen: SpecGenerator, sizes: list[int], repeats: int) -> dict[in
     return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
 
 
+@torch.inference_mode()
 def static_forward_cost(gen: SpecGenerator, n: int, repeats: int) -> float:
     """Median seconds of one verification forward over n tokens after CONTEXT cached ones through the generator's own
     backend and KV buffer (its compiled static path when it has one)."""
@@ -235,7 +236,6 @@ def static_forward_cost(gen: SpecGenerator, n: int, repeats: int) -> float:
     mask = torch.ones(n, n, dtype=torch.bool, device=gen.device).tril()
     positions = torch.arange(CONTEXT, CONTEXT + n, device=gen.device)
 
-    @torch.inference_mode()
     def forward() -> None:
         backend.forward(ids[CONTEXT:], positions, mask)
         cache.crop(CONTEXT)
