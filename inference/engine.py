@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     split = {"draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0}
 
     def speculative(ids, name, drafter=None):
+        gen.timing = name == "untrained_head"  # its draft / verify / other split; the other runs go untimed
         t0 = time.perf_counter()
         result = gen.generate(ids, max_new_tokens=args.max_new_tokens, drafter=drafter)
         seconds[name] += time.perf_counter() - t0

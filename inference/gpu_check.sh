@@ -4,9 +4,9 @@
 #     bash inference/gpu_check.sh                     # results and logs in $OUT (default ./gpu-check)
 #     GPU_CHECK_TINY=1 bash inference/gpu_check.sh    # the same steps at tiny sizes: checks this script on a CPU
 #
-# Steps, each under its own time limit and all of them within GPU_CHECK_BUDGET seconds (default 480):
+# Steps, each under its own time limit and all of them within GPU_CHECK_BUDGET seconds (default 500):
 #   1. environment: nvidia-smi, python, torch and CUDA, transformers, accelerate       -> summary.txt
-#   2. python -m pytest -q -m cuda   (the CUDA tier: lossless at bf16/fp16, training)   -> pytest-cuda.log
+#   2. python -m pytest -v -m cuda   (the CUDA tier: lossless at bf16/fp16, training)   -> pytest-cuda.log
 #      (GPU_CHECK_TESTS=0 skips it)
 #   3. python -m inference.gpu_engine --shapes llama2-7b                                 -> engine-<gpu>.{json,md}
 #   4. python -m inference.gpu_engine --shapes llama3-8b                                 -> the same files
@@ -16,7 +16,7 @@
 # Benchmark output goes to bench.log. At most 7 files in $OUT. Exit code: the first failing step's (0: all passed).
 set -u
 OUT=${OUT:-gpu-check}
-BUDGET=${GPU_CHECK_BUDGET:-480}
+BUDGET=${GPU_CHECK_BUDGET:-500}
 mkdir -p "$OUT"
 summary="$OUT/summary.txt"
 : >"$summary"
@@ -72,10 +72,10 @@ print('GPU:', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'n
 } >>"$summary"
 
 if [ "${GPU_CHECK_TESTS:-1}" = 1 ]; then
-    step "CUDA tests" 210 "$OUT/pytest-cuda.log" python -m pytest -q -m cuda -rs --durations=20 -p no:cacheprovider
+    step "CUDA tests" 240 "$OUT/pytest-cuda.log" python -m pytest -v -m cuda -rs --durations=20 -p no:cacheprovider
 fi
 for shape in "${shapes[@]}"; do
-    step "benchmark $shape" 150 "$OUT/bench.log" python -m inference.gpu_engine --shapes "$shape" "${quick[@]}" \
+    step "benchmark $shape" 140 "$OUT/bench.log" python -m inference.gpu_engine --shapes "$shape" "${quick[@]}" \
         --out-dir "$OUT"
 done
 if [ "$compile" = 1 ]; then

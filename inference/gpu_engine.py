@@ -1,7 +1,7 @@
 """The engine on a GPU with nothing brought along: random-weight targets of real shapes, an oracle, an untrained head.
 
     python -m inference.gpu_engine --device cuda --dtype bf16 --shapes llama2-7b,llama3-8b
-    python -m inference.gpu_engine --shapes llama2-7b --quick --compile --tag compile   # eager and torch.compile
+    python -m inference.gpu_engine --shapes llama2-7b --quick --compile --tag compile   # eager and CUDA graphs
     python -m inference.gpu_engine --shapes tiny --device cpu --quick                   # seconds, on any machine
 
 Each target is built on the device itself: meta-device init, then uninitialised device memory filled with N(0, 0.02)
@@ -15,11 +15,12 @@ drafter's τ is exactly what the tree allows: the numbers measure the engine, no
    an oracle that proposes the target's own greedy continuation inside it (τ = min(N, 6) + 1), against plain decoding
    and against the forward-cost ceiling τ · t(1) / t(N+1);
 4. one cycle of an untrained head (``DraftModel(DraftConfig.from_target(...))``) on the 60-node tree, split into
-   draft / verify / other; engine overhead = cycle - drafting - the verification forward t(61);
+   draft / verify / other (``SpecGenerator.timing``, which synchronises; every other run goes without);
+   engine overhead = cycle - drafting - the verification forward t(61);
 5. the tree the tuner (``total_tokens="auto"``) picks for that head (its τ is about 1, so a small one);
-6. with ``--compile``: 1-4 again with the RMSNorm, MLP and fusion modules of the target and of the head under
-   ``torch.compile(dynamic=True)`` (see :func:`compile_modules`; CUDA graphs need static shapes, which this engine's
-   growing KV cache does not have, so they are not measured).
+6. with ``--compile [MODE]``: verification through the engine's compiled static path (``SpecGenerator(compile=MODE)``;
+   the default ``reduce-overhead`` records CUDA graphs) and the head's norms, MLP and fusion under ``torch.compile``:
+   the time of the first (compiling) calls, t(61), the oracle at 60 nodes and the untrained head's cycle again.
 
 The oracle's reference is transformers' greedy output. In bf16 a forward over N tokens and one over a single token may
 round a near-tie differently; where the engine's tokens then differ from the reference, the oracle proposes the
@@ -123,7 +124,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="default: bf16 on cuda, else fp32")
     p.add_argument("--quick", action="store_true", help="fewer tokens, tree sizes and repeats (tiny: always few)")
-    p.add_argument("--compile", action="store_true", help="also measure with torch.compile (norms, MLPs, fusion)")
+    p.add_argument("--compile", nargs="?", const="reduce-overhead", default=None, metavar="MODE",
+                   help="also measure compiled verification (torch.compile mode; default reduce-overhead: CUDA "
+                   "graphs) and a compiled head")
     p.add_argument("--draft-vocab", type=int, default=0, help="draft vocabulary of the untrained head (0 = full)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="", help="appended to the result file's name (engine-<gpu>-<tag>)")
@@ -181,20 +184,13 @@ def untrained_head(target, device: torch.device, draft_vocab: int) -> DraftModel
     return head.eval().requires_grad_(False)
 
 
-COMPILED = ("RMSNorm", "MLP", "Fusion")  # type-name endings of the modules put under torch.compile
+COMPILED = ("RMSNorm", "MLP", "Fusion")  # type-name endings of the head's modules put under torch.compile
 
 
-def compile_modules(*roots: torch.nn.Module) -> int:
-    """``torch.compile(dynamic=True)`` every RMSNorm, MLP and fusion module under ``roots`` -> how many.
-
-    These hold most of a layer's small elementwise kernels and are the same code in every layer, so one compiled
-    graph per call signature serves all 32 layers. Compiling the whole decoder instead traces a 32-layer graph per call
-    signature (prefill, verification, one-token decoding, grad mode, the cache's state: 11 distinct graphs in a trial
-    with the tiny shape), each compiled on its own, which a lent GPU's few minutes do not cover."""
-    import torch._dynamo
-
-    torch._dynamo.config.recompile_limit = 64
-    modules = [m for root in roots for m in root.modules() if type(m).__name__.endswith(COMPILED)]
+def compile_head(head: DraftModel) -> int:
+    """``torch.compile(dynamic=True)`` the head's RMSNorms, MLP and fusion, which hold its small elementwise kernels
+    -> how many modules. Its attention and cache writes stay eager: their shapes change with every drafting level."""
+    modules = [m for m in head.modules() if type(m).__name__.endswith(COMPILED)]
     for module in modules:
         module.compile(dynamic=True)
     return len(modules)
@@ -229,6 +225,26 @@ def forward_costs(gen: SpecGenerator, sizes: list[int], repeats: int) -> dict[in
     return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
 
 
+@torch.inference_mode()
+def static_forward_cost(gen: SpecGenerator, n: int, repeats: int) -> float:
+    """Median seconds of one verification forward over n tokens after CONTEXT cached ones through the generator's own
+    backend and KV buffer (its compiled static path when it has one)."""
+    backend = gen.backend
+    ids = torch.randint(0, gen.target.config.vocab_size, (CONTEXT + n,), device=gen.device)
+    cache = backend.prepare(CONTEXT + n)
+    backend.prefill(ids[:CONTEXT])
+    mask = torch.ones(n, n, dtype=torch.bool, device=gen.device).tril()
+    positions = torch.arange(CONTEXT, CONTEXT + n, device=gen.device)
+
+    def forward() -> None:
+        backend.forward(ids[CONTEXT:], positions, mask)
+        cache.crop(CONTEXT)
+
+    forward()  # warm-up
+    times = sorted(timed(gen.device, forward)[1] for _ in range(repeats))
+    return times[len(times) // 2]
+
+
 def hf_generate(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     with torch.inference_mode():
         return model.generate(ids[None], attention_mask=torch.ones_like(ids[None]), max_new_tokens=new_tokens,
@@ -251,13 +267,16 @@ def oracle_generate(gen: SpecGenerator, ids: torch.Tensor, reference: list[int],
     return result.stats, seconds, passes, False
 
 
-def split_of(stats: list[GenerationStats]) -> dict:
+def cycles_of(stats: list[GenerationStats], split: bool = False) -> dict:
+    """Cycles and τ of some generations, with their per-cycle draft / verify / other split when ``split``."""
     cycles = sum(s.cycles for s in stats)
-    split = {k: sum(getattr(s, k) for s in stats) / cycles for k in ("draft_s", "verify_s", "other_s")}
-    if cycles and not any(split.values()):
-        raise RuntimeError("the generator reported no draft / verify / other time: its timing split is off")
-    return {"cycles": cycles, "tau": sum(s.new_tokens for s in stats) / cycles, **split,
-            "cycle_s": sum(split.values())}
+    out = {"cycles": cycles, "tau": sum(s.new_tokens for s in stats) / cycles}
+    if split:
+        parts = {k: sum(getattr(s, k) for s in stats) / cycles for k in ("draft_s", "verify_s", "other_s")}
+        if not any(parts.values()):
+            raise RuntimeError("the generator reported no draft / verify / other time: its timing split is off")
+        out.update(parts, cycle_s=sum(parts.values()))
+    return out
 
 
 class Shape:
@@ -267,11 +286,12 @@ class Shape:
         self.name, self.args, self.plan, self.report = name, args, plan, report
         self.device, dtype = args.device, resolve_dtype(args.dtype)
         torch.manual_seed(args.seed)
-        (self.model, build_s) = timed(self.device, lambda: random_target(name, self.device, dtype))
+        self.model, build_s = timed(self.device, lambda: random_target(name, self.device, dtype))
         head = untrained_head(self.model, self.device, args.draft_vocab)
         vocab = self.model.config.vocab_size
         self.gen = SpecGenerator(self.model, IdTokenizer(vocab), head, depth=DEPTH, top_k=TOP_K,
                                  total_tokens=PAPER_TREE, draft_dtype=dtype)
+        self.dtype = dtype
         rng = torch.Generator().manual_seed(args.seed)
         self.prompts = [torch.randint(0, vocab, (plan.prompt_len,), generator=rng).to(self.device)
                         for _ in range(plan.prompts)]
@@ -317,38 +337,47 @@ class Shape:
         self.result[key] = {str(n): v for n, v in forward_costs(self.gen, wanted, self.plan.repeats).items()}
         self.save()
 
-    def oracle(self, key: str = "oracle", sizes: tuple[int, ...] | None = None, plain: str = "plain",
-               costs: str = "forward_cost_s") -> None:
+    def oracle(self, key: str = "oracle", sizes: tuple[int, ...] | None = None, gen: SpecGenerator | None = None,
+               costs: dict[str, float] | None = None) -> None:
+        """The oracle at each tree size: τ, wall time (timing off), speedups and the forward-cost ceiling."""
+        gen, t = gen or self.gen, costs or self.result["forward_cost_s"]
         rows = self.result.setdefault(key, {})
-        base, t = self.result[plain], self.result[costs]
+        base = self.result["plain"]
         for total in sizes or self.plan.tree_sizes:
             stats, seconds, runs, identical = [], 0.0, 0, 0
             for ids, ref in zip(self.prompts, self.references):
-                s, sec, passes, _ = oracle_generate(self.gen, ids, ref, total, self.plan.new_tokens,
+                s, sec, passes, _ = oracle_generate(gen, ids, ref, total, self.plan.new_tokens,
                                                     self.plan.oracle_passes)
                 stats.append(s)
                 seconds += sec
                 runs += passes
                 identical += passes == 1
-            split = split_of(stats)
-            ceiling = split["tau"] * t["1"] / t[str(total + 1)]
+            cycles = cycles_of(stats)
+            ceiling = cycles["tau"] * t["1"] / t[str(total + 1)]
             speedup = base["generate_s"] / seconds
             rows[str(total)] = {
-                **split, "wall_s": seconds, "speedup_vs_generate": speedup,
+                **cycles, "cycle_s": seconds / cycles["cycles"], "wall_s": seconds, "speedup_vs_generate": speedup,
                 "speedup_vs_own_loop": base["own_loop_s"] / seconds, "ceiling": ceiling,
                 "efficiency_vs_generate": speedup / ceiling, "efficiency_vs_own_loop":
                 base["own_loop_s"] / seconds / ceiling, "identical_to_generate": identical / len(self.prompts),
                 "oracle_runs": runs}
             self.save()
 
-    def untrained(self, key: str = "untrained", costs: str = "forward_cost_s") -> None:
+    def untrained(self, key: str = "untrained", gen: SpecGenerator | None = None,
+                  verify_forward: float | None = None) -> None:
+        """The untrained head on the 60-node tree, its cycle split (timing on) and the engine's overhead."""
+        gen = gen or self.gen
         stats, identical = [], 0
-        for ids, ref in zip(self.prompts, self.references):
-            result = self.gen.generate(ids, max_new_tokens=self.plan.untrained_tokens)
-            stats.append(result.stats)
-            identical += result.sequences[0, ids.shape[0]:].tolist() == ref[: self.plan.untrained_tokens]
-        split = split_of(stats)
-        verify_forward = self.result[costs][str(PAPER_TREE + 1)]
+        gen.timing = True
+        try:
+            for ids, ref in zip(self.prompts, self.references):
+                result = gen.generate(ids, max_new_tokens=self.plan.untrained_tokens)
+                stats.append(result.stats)
+                identical += result.sequences[0, ids.shape[0]:].tolist() == ref[: self.plan.untrained_tokens]
+        finally:
+            gen.timing = False
+        split = cycles_of(stats, split=True)
+        verify_forward = verify_forward or self.result["forward_cost_s"][str(PAPER_TREE + 1)]
         overhead = split["cycle_s"] - split["draft_s"] - verify_forward
         self.result[key] = {**split, "total_tokens": PAPER_TREE, "verify_forward_s": verify_forward,
                             "engine_overhead_s": overhead, "engine_overhead_share": overhead / split["cycle_s"],
@@ -365,17 +394,23 @@ class Shape:
         self.save()
 
     def compiled(self) -> None:
-        """The target's decoder and the head under torch.compile: compile time, then 1-4 again."""
-        record = self.result["compile"] = {"mode": "torch.compile(dynamic=True) of every RMSNorm, MLP and fusion "
-                                                   "module of the target and the head"}
+        """Verification through the engine's compiled static path and a compiled head: the first (compiling) calls,
+        t(61), the oracle at 60 nodes and the untrained head's cycle."""
+        mode = self.args.compile
+        record = self.result["compile"] = {
+            "mode": mode, "verification": f"SpecGenerator(compile={mode!r})",
+            "head": "torch.compile(dynamic=True) of its RMSNorms, MLP and fusion"}
         try:
-            record["modules"] = compile_modules(self.model.get_decoder(), self.gen.draft)
-            _, record["first_calls_s"] = timed(self.device, self.warm_up)  # compiles: prefill, verify, decode
+            gen = SpecGenerator(self.model, self.gen.tokenizer, self.gen.draft, depth=DEPTH, top_k=TOP_K,
+                                total_tokens=PAPER_TREE, draft_dtype=self.dtype, compile=mode)
+            record["head_modules"] = compile_head(gen.draft)
+            first = timed(self.device, lambda: gen.generate(self.prompts[0][:32], max_new_tokens=8))
+            record["first_calls_s"] = first[1]
             self.save()
-            self.plain("compile_plain")
-            self.costs("compile_forward_cost_s", [1, 2, 4, 8, 16, 32, 64, 128])
-            self.oracle("compile_oracle", (PAPER_TREE,), plain="plain", costs="compile_forward_cost_s")
-            self.untrained("compile_untrained", costs="compile_forward_cost_s")
+            eager = self.result["forward_cost_s"]
+            t = record["verify_forward_s"] = static_forward_cost(gen, PAPER_TREE + 1, self.plan.repeats * 3)
+            self.oracle("compile_oracle", (PAPER_TREE,), gen, {"1": eager["1"], str(PAPER_TREE + 1): t})
+            self.untrained("compile_untrained", gen, t)
             from torch._dynamo.utils import counters
 
             record["dynamo_stats"] = dict(counters["stats"])
@@ -463,11 +498,11 @@ def shape_table(r: dict) -> str:
         parts.append(f"### Target forward cost over n new tokens ({CONTEXT} cached)\n\n"
                      + markdown_table(["n", "ms", "relative to n=1"], rows) + "\n")
     if "oracle" in r:
-        rows = [[n, o["tau"], o["cycle_s"] * ms, o["other_s"] * ms, o["speedup_vs_generate"], o["speedup_vs_own_loop"],
+        rows = [[n, o["tau"], o["cycle_s"] * ms, o["speedup_vs_generate"], o["speedup_vs_own_loop"],
                  o["ceiling"], f"{o['efficiency_vs_generate']:.0%}", f"{o['identical_to_generate']:.0%}",
                  o["oracle_runs"]] for n, o in r["oracle"].items()]
         parts.append("### Oracle ceiling by tree size (depth 6, top-k 10, cut to N nodes)\n\n" + markdown_table(
-            ["N", "τ", "ms/cycle", "other ms", "speedup vs generate", "vs own loop", "ceiling τ·t(1)/t(N+1)",
+            ["N", "τ", "ms/cycle", "speedup vs generate", "vs own loop", "ceiling τ·t(1)/t(N+1)",
              "speedup / ceiling", "identical to generate", "runs"], rows)
             + "\n`runs`: oracle runs over all prompts (more than one per prompt where the engine's bf16 tokens "
               "differed from `generate`'s and the oracle re-proposed the engine's own).\n\n")
@@ -501,27 +536,26 @@ def shape_table(r: dict) -> str:
 
 def compile_table(r: dict) -> str:
     ms, c = 1000, r["compile"]
+    title = f"### Compiled: {c['verification']}, head: {c['head']}\n\n"
     if "error" in c:
-        return f"### torch.compile\n\nFailed: `{c['error'][:500]}`\n\n"
-    rows = []
-    if "compile_plain" in r:
-        e, k = r["plain"], r["compile_plain"]
-        rows += [["generate, ms/token", e["generate_step_s"] * ms, k["generate_step_s"] * ms],
-                 ["own loop, ms/token", e["own_loop_step_s"] * ms, k["own_loop_step_s"] * ms]]
-    if "compile_forward_cost_s" in r:
-        eager, comp = r["forward_cost_s"], r["compile_forward_cost_s"]
-        rows += [[f"forward over {n} tokens, ms", eager[n] * ms, v * ms] for n, v in comp.items() if n in eager]
+        return title + f"Failed: `{c['error'][:500]}`\n\n"
     key = str(PAPER_TREE)
+    rows = [["first calls (compiling), s", "-", c.get("first_calls_s", float("nan"))]]
+    if "verify_forward_s" in c:
+        rows.append([f"verification forward t({PAPER_TREE + 1}), ms", r["forward_cost_s"][str(PAPER_TREE + 1)] * ms,
+                     c["verify_forward_s"] * ms])
     if key in r.get("compile_oracle", {}):
         e, k = r["oracle"][key], r["compile_oracle"][key]
         rows += [[f"oracle {key} nodes, ms/cycle", e["cycle_s"] * ms, k["cycle_s"] * ms],
-                 [f"oracle {key} nodes, speedup vs eager generate", e["speedup_vs_generate"], k["speedup_vs_generate"]]]
+                 [f"oracle {key} nodes, speedup vs generate", e["speedup_vs_generate"], k["speedup_vs_generate"]],
+                 [f"oracle {key} nodes, speedup / ceiling", f"{e['efficiency_vs_generate']:.0%}",
+                  f"{k['efficiency_vs_generate']:.0%}"]]
     if "compile_untrained" in r:
         e, k = r["untrained"], r["compile_untrained"]
         rows += [[f"untrained head {key} nodes, {part} ms", e[f"{part}_s"] * ms, k[f"{part}_s"] * ms]
                  for part in ("draft", "verify", "other", "cycle")]
-    return (f"### torch.compile ({c['mode']}; first calls {c.get('first_calls_s', float('nan')):.0f} s)\n\n"
-            + markdown_table(["measure", "eager", "compiled"], rows) + "\n")
+        rows.append(["engine overhead share", f"{e['engine_overhead_share']:.0%}", f"{k['engine_overhead_share']:.0%}"])
+    return title + markdown_table(["measure", "eager", "compiled"], rows) + "\n"
 
 
 def table(result: dict) -> str:

@@ -50,7 +50,7 @@ def test_eos_and_budget_on_the_gpu(dtype):
 
 
 def test_sampling_matches_the_target_distribution_on_the_gpu():
-    check_sampling_distribution(1.0, 0.9, CUDA, torch.bfloat16)
+    check_sampling_distribution(1.0, 0.9, CUDA, torch.bfloat16, runs=6000)  # a few ms per run: fewer than on CPU
 
 
 # --- tree attention --------------------------------------------------------------------------------------------------
@@ -138,12 +138,12 @@ def free_port() -> str:
 def train(store: Path, out: Path, precision: str, launcher: list[str] | None = None, env: dict | None = None):
     res = run_module("training.train", "--features", str(store), "--out", str(out), "--steps", "2", "--batch-size",
                      "4", "--max-updates", "3", "--noise", "0", "--lr", "1e-3", "--mixed-precision", precision,
-                     launcher=launcher, env=env, timeout=300)
+                     "--topk", "0", launcher=launcher, env=env, timeout=300)  # no token mask: pass 2 keeps positions
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     report = json.loads((out / "validation.json").read_text())
     assert report["run"]["mixed_precision"] == precision and report["run"]["processes"] == 1
     passes = report["epochs"][-1]["passes"]
-    assert len(passes) == 2 and all(torch.isfinite(torch.tensor(p["loss"])) for p in passes)
+    assert len(passes) == 2 and all(p["positions"] > 0 and torch.isfinite(torch.tensor(p["loss"])) for p in passes)
     DraftModel.from_pretrained(out)  # a loadable head
     return res
 

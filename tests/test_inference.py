@@ -166,6 +166,7 @@ def test_engine_benchmark_on_a_tiny_target(tmp_path, tiny_target_dir):
     assert set(result["oracle"]) == {"oracle_tree", "oracle_chain_1", "oracle_chain_2"}
     assert result["oracle"]["oracle_chain_2"]["tau"] > result["oracle"]["oracle_chain_1"]["tau"] > 1
     assert result["untrained_cycle_s"] > 0 and result["forward_cost_s"]["F.linear"]["1"] > 0
+    assert min(result["untrained_cycle_split_s"].values()) > 0
     assert "## Ceiling" in (tmp_path / "engine.md").read_text()
 
 
