@@ -4,6 +4,11 @@
     python -m inference.tau --heads checkpoints/a checkpoints/b --bench mt_bench --temperatures 0 1 --limit 20 \\
         --total-tokens 24 --depth 5 --top-k 8 --out benchmarks/results/a-vs-b
     python -m inference.tau --bench gsm8k --temperatures 0 1      # only build (or finish) the continuation cache
+    python -m inference.tau --heads checkpoints/smollm2-135m-instruct-griffin \\
+        --references benchmarks/results/ablation/mt_bench-smollm2-135m-instruct-griffin-T0.json --engine-check 10
+
+Python: ``evaluate_heads({"a": "checkpoints/a", "b": draft_model}, bench="mt_bench", temperature=0, limit=20)``
+returns ``{name: TauResult}`` (``.tau``, ``.tau_se``, ``.alpha()``, ``.accepted_hist()``, ``.prompts``).
 
 Why no target in the loop gives the engine's τ:
 
@@ -20,11 +25,13 @@ Why no target in the loop gives the engine's τ:
   ``p(c)`` of what is left and zeroing it on rejection; the token it emits at that node (an accepted child, or the
   bonus from what is left) is distributed exactly as ``p``, and the walk goes on below the node iff that token is one
   of the node's children: a child's token can only be emitted by accepting that child, since rejecting it removes it
-  from the bonus distribution. Conditioned on the emitted prefix, each emitted token is a draw from the target's
-  ``p`` given that prefix; the emitted sequence is therefore a sample of the target, and the number of cycles is a
-  function of (sampled sequence, trees). Replaying the greedy rule above against a continuation *sampled from the
-  target* (plain decoding, seeded per prompt, the same :func:`griffin.sampling.warp`) thus gives τ with exactly the
-  engine's distribution, though not the engine's τ for the same seed (the engine draws different random numbers).
+  from the bonus distribution. So each emitted token is a draw from the target's ``p`` given the tokens before it
+  (the output S is a sample of the target), and the walk through each tree, hence the number of cycles, is the one
+  the greedy rule above finds for S: cycles = f(S) with f the deterministic replay (the trees depend only on the
+  tokens and features before them). The engine's run is (S, f(S)) with S ~ target; replaying f on a continuation S'
+  *sampled from the target* (plain decoding, seeded per prompt, the same :func:`griffin.sampling.warp`) gives
+  (S', f(S')) with S' ~ target: τ has exactly the engine's distribution, though it is not the engine's τ for the same
+  seed (the engine draws other random numbers).
 
 What is not mirrored bit for bit: the engine takes the features of accepted tokens from its tree-verification
 forwards, this module from one causal forward over the continuation (the prompt's features come from the same
@@ -42,6 +49,7 @@ plain decoding with a per-prompt seed (``seed + question_id + 1000 * turn``, as 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import statistics
@@ -61,6 +69,7 @@ from griffin.drafters import HeadDrafter
 from griffin.family import verification_mask
 from griffin.generator import default_head, fast_draft_dtype
 from griffin.io import atomic_write_text
+from griffin.kernels import WeightMajorLinears, default_max_rows
 from griffin.kv_cache import BufferCache
 from griffin.plain import plain_generate
 from griffin.sampling import SamplingConfig
@@ -252,21 +261,24 @@ def _generate_missing(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
 def target_features(target: PreTrainedModel, prompt: torch.Tensor, continuation: torch.Tensor) -> torch.Tensor:
     """The target's final-norm hidden states of ``prompt + continuation[:-1]`` -> [P + L - 1, H].
 
-    The prompt goes through the same call as the engine's prefill (so its features are the engine's), the
-    continuation through one more forward on top of its KV cache."""
+    The prompt goes through the engine's prefill call (same mask, cache and kernels, so its features are the
+    engine's), the continuation through one more forward on top of its KV cache."""
     decoder = target.get_decoder()
     dtype = target.get_output_embeddings().weight.dtype
     p, rest = prompt.shape[0], continuation[:-1]
     cache = BufferCache(target.config.get_text_config().num_hidden_layers, p + rest.shape[0])
+    weight_major = WeightMajorLinears(target, default_max_rows(prompt.device))
     hidden = []
     for start, tokens in ((0, prompt), (p, rest)):
-        if tokens.shape[0] == 0:
-            continue
         q = tokens.shape[0]
+        if q == 0:
+            continue
         causal = torch.ones(q, q, dtype=torch.bool, device=tokens.device).tril()
         positions = torch.arange(start, start + q, device=tokens.device)
-        out = decoder(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache, use_cache=True,
-                      attention_mask=verification_mask(target, start, causal, dtype))
+        small = start == 0 and 2 <= q <= weight_major.max_rows  # as SpecGenerator._target_forward on the prompt
+        with weight_major if small else contextlib.nullcontext():
+            out = decoder(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache,
+                          use_cache=True, attention_mask=verification_mask(target, start, causal, dtype))
         hidden.append(out.last_hidden_state[0])
     return torch.cat(hidden)
 
