@@ -4,6 +4,11 @@
     python -m inference.tau --heads checkpoints/a checkpoints/b --bench mt_bench --temperatures 0 1 --limit 20 \\
         --total-tokens 24 --depth 5 --top-k 8 --out benchmarks/results/a-vs-b
     python -m inference.tau --bench gsm8k --temperatures 0 1      # only build (or finish) the continuation cache
+    python -m inference.tau --heads checkpoints/smollm2-135m-instruct-griffin \\
+        --references benchmarks/results/ablation/mt_bench-smollm2-135m-instruct-griffin-T0.json --engine-check 10
+
+Python: ``evaluate_heads({"a": "checkpoints/a", "b": draft_model}, bench="mt_bench", temperature=0, limit=20)``
+returns ``{name: TauResult}`` (``.tau``, ``.tau_se``, ``.alpha()``, ``.accepted_hist()``, ``.prompts``).
 
 Why no target in the loop gives the engine's τ:
 
@@ -20,11 +25,13 @@ Why no target in the loop gives the engine's τ:
   ``p(c)`` of what is left and zeroing it on rejection; the token it emits at that node (an accepted child, or the
   bonus from what is left) is distributed exactly as ``p``, and the walk goes on below the node iff that token is one
   of the node's children: a child's token can only be emitted by accepting that child, since rejecting it removes it
-  from the bonus distribution. Conditioned on the emitted prefix, each emitted token is a draw from the target's
-  ``p`` given that prefix; the emitted sequence is therefore a sample of the target, and the number of cycles is a
-  function of (sampled sequence, trees). Replaying the greedy rule above against a continuation *sampled from the
-  target* (plain decoding, seeded per prompt, the same :func:`griffin.sampling.warp`) thus gives τ with exactly the
-  engine's distribution, though not the engine's τ for the same seed (the engine draws different random numbers).
+  from the bonus distribution. So each emitted token is a draw from the target's ``p`` given the tokens before it
+  (the output S is a sample of the target), and the walk through each tree, hence the number of cycles, is the one
+  the greedy rule above finds for S: cycles = f(S) with f the deterministic replay (the trees depend only on the
+  tokens and features before them). The engine's run is (S, f(S)) with S ~ target; replaying f on a continuation S'
+  *sampled from the target* (plain decoding, seeded per prompt, the same :func:`griffin.sampling.warp`) gives
+  (S', f(S')) with S' ~ target: τ has exactly the engine's distribution, though it is not the engine's τ for the same
+  seed (the engine draws other random numbers).
 
 What is not mirrored bit for bit: the engine takes the features of accepted tokens from its tree-verification
 forwards, this module from one causal forward over the continuation (the prompt's features come from the same
@@ -42,6 +49,7 @@ plain decoding with a per-prompt seed (``seed + question_id + 1000 * turn``, as 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import statistics
@@ -61,10 +69,11 @@ from griffin.drafters import HeadDrafter
 from griffin.family import verification_mask
 from griffin.generator import default_head, fast_draft_dtype
 from griffin.io import atomic_write_text
+from griffin.kernels import WeightMajorLinears, default_max_rows
 from griffin.kv_cache import BufferCache
 from griffin.plain import plain_generate
 from griffin.sampling import SamplingConfig
-from griffin.target import EMBEDDED_TARGET, load_target, resolve_dtype, target_fingerprint
+from griffin.target import EMBEDDED_TARGET, cache_dir, file_lock, load_target, resolve_dtype, target_fingerprint
 from griffin.tree import Tree
 from training.cli import run_cli
 
@@ -207,10 +216,21 @@ def continuations(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, b
     samples, complete = _read_cache(path, settings)
     if complete:
         return samples
+    with file_lock(cache_dir() / "locks" / f"{path.name}.lock"):  # one writer per file: a second run waits, then reads
+        return _generate_missing(target, tokenizer, questions, path, settings, head, progress)
+
+
+def _generate_missing(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, questions: list[dict], path: Path,
+                      settings: dict, head: str | Path | DraftModel | None, progress: bool) -> list[Sample]:
+    samples, complete = _read_cache(path, settings)
+    if complete:
+        return samples
     done = {(s.question_id, s.turn): s for s in samples}
+    ordered = []
     generate = None
-    bar = tqdm(total=sum(len(q["turns"]) for q in questions), initial=len(done), desc=f"{name} T={temperature:g}",
-               unit="prompt", dynamic_ncols=True, disable=not progress)
+    temperature = settings["temperature"]
+    bar = tqdm(total=sum(len(q["turns"]) for q in questions), initial=len(done),
+               desc=f"{settings['bench']} T={temperature:g}", unit="prompt", dynamic_ncols=True, disable=not progress)
     for question in questions:
         messages: list[dict] = []
         for turn, text in enumerate(question["turns"]):
@@ -218,19 +238,20 @@ def continuations(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, b
             sample = done.get((question["question_id"], turn))
             if sample is None:
                 if generate is None:
-                    generate = ContinuationGenerator(target, tokenizer, temperature, max_new_tokens, head)
+                    generate = ContinuationGenerator(target, tokenizer, temperature, settings["max_new_tokens"], head)
                 ids = prompt_ids(tokenizer, messages)
                 qid = question["question_id"]
-                prompt_seed = seed + (qid if isinstance(qid, int) else 0) + 1000 * turn
+                prompt_seed = settings["seed"] + (qid if isinstance(qid, int) else 0) + 1000 * turn
                 sample = Sample(qid, turn, ids, generate(ids, prompt_seed))
                 samples.append(sample)
                 _write_cache(path, settings, samples, complete=False)
                 bar.update()
+            ordered.append(sample)
             messages.append({"role": "assistant",
                              "content": tokenizer.decode(sample.continuation, skip_special_tokens=True)})
     bar.close()
-    _write_cache(path, settings, samples, complete=True)
-    return samples
+    _write_cache(path, settings, ordered, complete=True)
+    return ordered
 
 
 # --- the replay -------------------------------------------------------------------------------------------------------
@@ -240,21 +261,24 @@ def continuations(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, b
 def target_features(target: PreTrainedModel, prompt: torch.Tensor, continuation: torch.Tensor) -> torch.Tensor:
     """The target's final-norm hidden states of ``prompt + continuation[:-1]`` -> [P + L - 1, H].
 
-    The prompt goes through the same call as the engine's prefill (so its features are the engine's), the
-    continuation through one more forward on top of its KV cache."""
+    The prompt goes through the engine's prefill call (same mask, cache and kernels, so its features are the
+    engine's), the continuation through one more forward on top of its KV cache."""
     decoder = target.get_decoder()
     dtype = target.get_output_embeddings().weight.dtype
     p, rest = prompt.shape[0], continuation[:-1]
     cache = BufferCache(target.config.get_text_config().num_hidden_layers, p + rest.shape[0])
+    weight_major = WeightMajorLinears(target, default_max_rows(prompt.device))
     hidden = []
     for start, tokens in ((0, prompt), (p, rest)):
-        if tokens.shape[0] == 0:
-            continue
         q = tokens.shape[0]
+        if q == 0:
+            continue
         causal = torch.ones(q, q, dtype=torch.bool, device=tokens.device).tril()
         positions = torch.arange(start, start + q, device=tokens.device)
-        out = decoder(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache, use_cache=True,
-                      attention_mask=verification_mask(target, start, causal, dtype))
+        small = start == 0 and 2 <= q <= weight_major.max_rows  # as SpecGenerator._target_forward on the prompt
+        with weight_major if small else contextlib.nullcontext():
+            out = decoder(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache,
+                          use_cache=True, attention_mask=verification_mask(target, start, causal, dtype))
         hidden.append(out.last_hidden_state[0])
     return torch.cat(hidden)
 
@@ -427,6 +451,51 @@ def evaluate_heads(heads: Mapping[str, str | Path | DraftModel], bench: str = "m
     return evaluate(prepared, model, samples, depth, top_k, total_tokens, progress)
 
 
+# --- checks against the engine ---------------------------------------------------------------------------------
+
+
+def engine_check(head: DraftModel, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 samples: Sequence[Sample], temperature: float, max_new_tokens: int = 128, depth: int = 5,
+                 top_k: int = 8, total_tokens: int = 24, seed: int = 0, progress: bool = True) -> list[dict]:
+    """Run the real engine on the samples' prompts and replay its own output: per prompt, the engine's τ and the
+    replay's (equal unless float rounding flips a draft tie; see the module docstring) and, at T=0, whether the
+    engine's output is the stored continuation. ``head`` as :func:`prepare_head` returns it."""
+    gen = SpecGenerator(target, tokenizer, head, depth=depth, top_k=top_k, total_tokens=total_tokens,
+                        draft_dtype=head.fusion.fc.weight.dtype)
+    rows = []
+    for sample in tqdm(samples, desc=f"engine T={temperature:g}", unit="prompt", dynamic_ncols=True,
+                       disable=not progress):
+        prompt = torch.tensor(sample.prompt, dtype=torch.long, device=gen.device)
+        qid = sample.question_id
+        out = gen.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                           seed=seed + (qid if isinstance(qid, int) else 0) + 1000 * sample.turn)
+        new = out.sequences[0, prompt.shape[0]:]
+        drafter = HeadDrafter(head, depth, top_k, total_tokens, prompt.shape[0] + new.shape[0])
+        ours = replay(drafter, prompt, new, target_features(target, prompt, new), qid, sample.turn)
+        row = {"question_id": qid, "turn": sample.turn, "engine_tau": out.stats.tau, "replay_tau": ours.tau,
+               "engine_cycles": out.stats.cycles, "replay_cycles": ours.cycles}
+        if temperature == 0:
+            row["same_output"] = new.tolist() == sample.continuation
+        rows.append(row)
+    return rows
+
+
+def compare_reference(result: TauResult, reference: dict) -> dict:
+    """The replay's τ against a speed run's (:mod:`inference.speed` JSON with ``per_prompt``) on the same prompts."""
+    engine = {(p["question_id"], p["turn"]): p["tau"] for p in reference["per_prompt"]}
+    pairs = [(engine[(p.question_id, p.turn)], p.tau) for p in result.prompts if (p.question_id, p.turn) in engine]
+    if not pairs:
+        raise ValueError("the reference speed run shares no prompt with this evaluation")
+    diffs = [abs(a - b) for a, b in pairs]
+    taus = [a for a, _ in pairs]
+    return {"speed_run_tau": reference["tau"],
+            "speed_run_tau_se": statistics.stdev(taus) / len(taus) ** 0.5 if len(taus) > 1 else float("nan"),
+            "replay_tau": result.tau, "replay_tau_se": result.tau_se, "n_prompts": len(pairs),
+            "same_tau": sum(d < 1e-9 for d in diffs), "mean_abs_diff": sum(diffs) / len(diffs),
+            "max_abs_diff": max(diffs), "command": reference.get("command"),
+            "draft_dtype": reference.get("draft_dtype")}
+
+
 # --- command line -----------------------------------------------------------------------------------------------------
 
 
@@ -448,6 +517,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-dtype", default="auto", choices=["auto", "fp32", "bf16"],
                    help="head dtype while drafting (auto: as the engine, bf16 where the CPU computes it natively)")
     p.add_argument("--continuations", default=str(CONTINUATIONS), help="folder of the continuation cache")
+    p.add_argument("--references", nargs="*", default=[],
+                   help="speed-run JSONs (inference.speed, one head) to compare with: each sets a temperature and its "
+                        "questions (replacing --temperatures and --limit); per-prompt τ is compared")
+    p.add_argument("--engine-check", type=int, default=0, metavar="N",
+                   help="also run the real engine on the first N prompts of each temperature and compare its τ with "
+                        "the replay of its output")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared)")
     p.add_argument("--out", default=None,
                    help="result path without suffix: writes <out>.json and <out>.md (default: benchmarks/results/"
@@ -459,9 +534,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")
     if args.limit is not None and args.limit < 1:
         p.error("--limit must be at least 1")
+    if args.engine_check < 0:
+        p.error("--engine-check must be >= 0")
     if any(t < 0 for t in args.temperatures):
         p.error("--temperatures must be >= 0")
+    if len({f"{t:g}" for t in args.temperatures}) < len(args.temperatures):
+        p.error("--temperatures lists a temperature twice")
     return args
+
+
+def runs_from_references(args: argparse.Namespace) -> list[tuple[float, int | None, dict | None]]:
+    """(temperature, limit, reference speed run) for each run: from --references, else --temperatures / --limit."""
+    if not args.references:
+        return [(t, args.limit, None) for t in args.temperatures]
+    runs = []
+    bench, questions = load_bench(args.bench)
+    for path in args.references:
+        try:
+            ref = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"cannot read the speed run {path}: {err}") from None
+        if "per_prompt" not in ref or "tree" not in ref:
+            raise ValueError(f"{path} is not a speed-run result of python -m inference.speed")
+        mine = {"bench": bench, "max_new_tokens": args.max_new_tokens,
+                "tree": {"depth": args.depth, "top_k": args.top_k, "total_tokens": args.total_tokens}}
+        for key, value in mine.items():
+            if ref.get(key) != value:
+                raise ValueError(f"{path} has {key} {ref.get(key)} but this run {value}: pass the matching "
+                                 "--bench / --max-new-tokens / --total-tokens / --depth / --top-k")
+        n = ref["n_questions"]
+        runs.append((float(ref["temperature"]), None if n >= len(questions) else n, ref))
+    if len({f"{t:g}" for t, _, _ in runs}) < len(runs):
+        raise ValueError("two --references share a temperature: pass one speed run per temperature")
+    return runs
 
 
 def head_names(paths: list[str]) -> dict[str, str]:
@@ -471,57 +576,95 @@ def head_names(paths: list[str]) -> dict[str, str]:
 
 
 def table(result: dict) -> str:
-    temps = result["temperatures"]
+    temps = list(result["n_prompts"])
     depth = result["tree"]["depth"]
-    headers = ["head"] + [f"τ T={t:g}" for t in temps] + [f"α{d} T={t:g}" for t in temps for d in range(1, depth + 1)]
+    headers = ["head"] + [f"τ T={t}" for t in temps] + [f"α{d} T={t}" for t in temps for d in range(1, depth + 1)]
     rows = []
     for name, runs in result["heads"].items():
-        row = [name] + [f"{runs[f'{t:g}']['tau']:.2f} ± {runs[f'{t:g}']['tau_se']:.2f}" for t in temps]
+        row = [name] + [f"{runs[t]['tau']:.2f} ± {runs[t]['tau_se']:.2f}" for t in temps]
         for t in temps:
-            alpha = runs[f"{t:g}"]["alpha"]
-            row += [alpha[d] if d < len(alpha) else "-" for d in range(depth)]
+            row += runs[t]["alpha"]
         rows.append(row)
     tree = result["tree"]
-    prompts = ", ".join(f"T={t:g}: {result['n_prompts'][f'{t:g}']}" for t in temps)
-    return (f"# Offline acceptance length τ · {result['bench']}\n\n"
+    prompts = ", ".join(f"T={t}: {n}" for t, n in result["n_prompts"].items())
+    text = (f"# Offline acceptance length τ · {result['bench']}\n\n"
             f"τ = new tokens per target verification pass, replayed against the target's stored continuations "
-            f"(`inference.tau`); ± is the standard error of the mean of per-prompt τ. α_d = fraction of cycles whose "
-            f"accepted path reaches depth d among those reaching d-1. Tree {tree['total_tokens']} nodes, depth "
+            f"(`inference.tau`); ± is the standard error of the mean of per-prompt τ. α_d = fraction of cycles "
+            f"whose accepted path reaches depth d among those reaching d-1. Tree {tree['total_tokens']} nodes, depth "
             f"{tree['depth']}, top-k {tree['top_k']}; up to {result['max_new_tokens']} new tokens; target "
             f"{result['target']} ({result['dtype']}), draft dtype {result['draft_dtype']}; prompts {prompts}.\n\n"
-            + markdown_table(headers, rows) +
-            f"\nCommand: `{result['command']}`\n\nMachine: {result['machine']['cpu']}, {result['machine']['cores']} "
-            f"cores, {result['machine']['torch_threads']} torch threads, torch {result['machine']['torch']}, "
-            f"{result['machine']['date']}; {result['seconds']:.0f} s.\n")
+            + markdown_table(headers, rows))
+    refs = [(name, t, runs[t]["reference"]) for name, runs in result["heads"].items() for t in temps
+            if "reference" in runs[t]]
+    if refs:
+        text += ("\n## Against speed runs of the real engine\n\nSame prompts, tree and budget. Per-prompt τ equal: "
+                 "prompts whose replayed τ is the speed run's exactly.\n\n" + markdown_table(
+                     ["head", "T", "prompts", "speed run τ", "replay τ", "per-prompt τ equal", "mean |Δτ| per prompt",
+                      "max |Δτ|"],
+                     [[name, t, r["n_prompts"], f"{r['speed_run_tau']:.3f} ± {r['speed_run_tau_se']:.3f}",
+                       f"{r['replay_tau']:.3f} ± {r['replay_tau_se']:.3f}", f"{r['same_tau']}/{r['n_prompts']}",
+                       f"{r['mean_abs_diff']:.3f}", f"{r['max_abs_diff']:.3f}"] for name, t, r in refs]) +
+                 "\nSpeed runs:\n\n" + "".join(f"- `{c}`\n" for c in sorted({r["command"] for _, _, r in refs})))
+    checks = [(name, t, runs[t]["engine_check"]) for name, runs in result["heads"].items() for t in temps
+              if "engine_check" in runs[t]]
+    if checks:
+        text += ("\n## Real engine run here, on the same prompts\n\n`SpecGenerator.generate` with the same head, tree "
+                 "and draft dtype; the replay is of the engine's own output (at T=0 that is the stored "
+                 "continuation).\n\n")
+        rows = []
+        for name, t, check in checks:
+            for row in check:
+                rows.append([name, t, f"{row['question_id']}/{row['turn']}", f"{row['engine_tau']:.3f}",
+                             f"{row['replay_tau']:.3f}", row.get("same_output", "-")])
+        text += markdown_table(["head", "T", "question/turn", "engine τ", "replay τ", "output = stored continuation"],
+                               rows)
+    machine = result["machine"]
+    return text + (f"\nCommand: `{result['command']}`\n\nMachine: {machine['cpu']}, {machine['cores']} cores, "
+                   f"{machine['torch_threads']} torch threads, torch {machine['torch']}, {machine['date']}; "
+                   f"{result['seconds']:.0f} s.\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
+    load_bench(args.bench, args.limit)  # bad input fails before any model is loaded
+    for path in args.heads:
+        if not (Path(path) / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a draft head folder: config.json is missing")
+    runs = runs_from_references(args)
+    if args.references and len(args.heads) != 1:
+        raise ValueError("--references compare one head with its speed runs: pass exactly one --heads folder")
     model, tokenizer = load_target(args.target, dtype=args.dtype)
     paths = head_names(args.heads)
     heads = {name: prepare_head(path, model, args.draft_dtype) for name, path in paths.items()}
-    runs: dict[str, dict] = {name: {} for name in heads}
-    n_prompts, files = {}, {}
-    for temperature in args.temperatures:
-        samples = continuations(model, tokenizer, args.bench, temperature, args.seed, args.max_new_tokens,
-                                args.limit, args.continuations)
-        n_prompts[f"{temperature:g}"] = len(samples)
-        if heads:
-            for name, res in evaluate(heads, model, samples, args.depth, args.top_k, args.total_tokens).items():
-                runs[name][f"{temperature:g}"] = res.as_dict()
-                print(f"{name} T={temperature:g}: τ {res.tau:.3f} ± {res.tau_se:.3f} over {len(samples)} prompts")
+    results: dict[str, dict] = {name: {} for name in heads}
+    n_prompts = {}
+    for temperature, limit, reference in runs:
+        key = f"{temperature:g}"
+        samples = continuations(model, tokenizer, args.bench, temperature, args.seed, args.max_new_tokens, limit,
+                                args.continuations)
+        n_prompts[key] = len(samples)
+        if not heads:
+            continue
+        for name, res in evaluate(heads, model, samples, args.depth, args.top_k, args.total_tokens).items():
+            results[name][key] = res.as_dict()
+            print(f"{name} T={key}: τ {res.tau:.3f} ± {res.tau_se:.3f} over {len(samples)} prompts")
+            if reference is not None:
+                results[name][key]["reference"] = compare_reference(res, reference)
+            if args.engine_check:
+                results[name][key]["engine_check"] = engine_check(
+                    heads[name], model, tokenizer, samples[: args.engine_check], temperature, args.max_new_tokens,
+                    args.depth, args.top_k, args.total_tokens, args.seed)
     if not heads:
         print(f"continuations ready under {args.continuations}")
         return 0
     draft_dtype = str(next(iter(heads.values())).fusion.fc.weight.dtype).removeprefix("torch.")
     result = {"bench": load_bench(args.bench)[0], "target": args.target, "dtype": args.dtype,
-              "draft_dtype": draft_dtype, "temperatures": args.temperatures, "limit": args.limit,
-              "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+              "draft_dtype": draft_dtype, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
               "tree": {"depth": args.depth, "top_k": args.top_k, "total_tokens": args.total_tokens},
-              "n_prompts": n_prompts, "head_paths": paths, "heads": runs,
-              "seconds": time.perf_counter() - start, "machine": machine_info(),
+              "limits": {f"{t:g}": limit for t, limit, _ in runs}, "n_prompts": n_prompts, "head_paths": paths,
+              "heads": results, "seconds": time.perf_counter() - start, "machine": machine_info(),
               "command": command_line("inference.tau", args.argv)}
     out = Path(args.out or f"benchmarks/results/tau-{result['bench']}-{'-'.join(heads)}")
     write_benchmark(out.parent, out.name, result, table(result))
