@@ -112,12 +112,44 @@ def result_path(args, name: str, temperature: float) -> Path:
     return Path(args.results) / f"{args.bench}-{stem}-T{temperature:g}.json"
 
 
+def validate_init(args) -> list[dict]:
+    """The initial head's validation on the fine-tuning store's held-out split, as ``training.train`` reports it
+    (same split, batches, batch vocabulary and bf16 autocast), so that its row compares with the fine-tuned heads."""
+    import torch
+
+    from griffin.draft import DraftModel
+    from griffin.target import load_target_head
+    from training.objective import MultiPassObjective, batch_members, make_batch
+    from training.store import FeatureStore
+    from training.train import split
+
+    store = FeatureStore(args.features)
+    _, val = split(len(store), 0.05)
+    draft = DraftModel.from_pretrained(args.init).attach(load_target_head(store.manifest["target"]))
+    objective = MultiPassObjective(draft, 3, 3).eval()
+    totals = torch.zeros(3, 3)
+    for i in range(0, len(val), args.batch_size):
+        batch = make_batch([store[j] for j in val[i : i + args.batch_size]], store.manifest["max_len"])
+        member = batch_members(draft, batch)
+        vocab = None if member is None else member.nonzero().squeeze(1)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = objective(batch, vocab)
+        totals += torch.stack([out["kept"], out["top1"], out["topk"]]).float()
+    kept, top1, top3 = totals.tolist()
+    return [{"pass": k + 1, "top1": top1[k] / max(kept[k], 1), "top3": top3[k] / max(kept[k], 1),
+             "kept": kept[k] / max(kept[0], 1), "positions": int(kept[k])} for k in range(3)]
+
+
 def evaluate_missing(args, argv: list[str] | None) -> None:
     import torch
 
     from . import tau
 
     torch.set_num_threads(1)
+    init_validation = Path(args.results) / "init-validation.json"
+    if not init_validation.is_file():
+        atomic_write_json(init_validation, {"features": args.features, "init": args.init,
+                                            "passes": validate_init(args)})
     for temperature in args.temps:
         missing = {n: str(f) for n, f in head_folders(args).items() if not result_path(args, n, temperature).is_file()}
         if not missing:
@@ -157,6 +189,9 @@ def collect(args) -> dict:
                  "updates": run["total_updates"], "tokens": last["tokens"], "train_seconds": last["train_seconds"],
                  "lr": run["lr"], "init_from": run.get("init_from"), "features": run["features"],
                  "validation": last["passes"], "tau": {}}
+        if name == INIT:  # its own report is on another store: use its validation on this one, when measured
+            measured = Path(args.results) / "init-validation.json"
+            entry["validation"] = json.loads(measured.read_text())["passes"] if measured.is_file() else []
         for temperature in args.temps:
             path = result_path(args, name, temperature)
             if path.is_file():
@@ -189,7 +224,8 @@ def report(args, argv: list[str] | None) -> None:
     headers += [f"α{d} T=0" for d in range(1, args.depth + 1)]
     rows = []
     for name, entry in heads.items():
-        row = [name, objective_label(name, entry), " / ".join(f"{p['top1']:.3f}" for p in entry["validation"])]
+        row = [name, objective_label(name, entry),
+               " / ".join(f"{p['top1']:.3f}" for p in entry["validation"]) or "-"]
         for t in temps:
             res = entry["tau"].get(t)
             row.append(f"{res['tau']:.3f} ± {res['tau_se']:.3f}" if res else "-")

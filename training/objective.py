@@ -97,6 +97,19 @@ def make_batch(items, max_len: int | None = None) -> Batch:
     return Batch(tokens, features, targets, next_tokens, data_mask, valid)
 
 
+def batch_members(draft: DraftModel, batch: Batch) -> torch.Tensor | None:
+    """[V_target] 0/1: the static draft vocabulary plus every token of the batch, for a head with a context vocabulary
+    (the columns a batch's logits need; :class:`Rollout` narrows them per position); None for other heads."""
+    if draft.draft_vocab is None or not draft.config.context_vocab:
+        return None
+    device = batch.tokens.device
+    member = torch.zeros(draft.config.vocab_size, device=device)
+    member[draft.static_vocab().to(device)] = 1
+    member[batch.tokens[batch.valid]] = 1
+    member[batch.next_tokens[batch.next_tokens >= 0]] = 1
+    return member
+
+
 def first_seen(tokens: torch.Tensor, valid: torch.Tensor, to_local: torch.Tensor, static: torch.Tensor,
                size: int) -> torch.Tensor:
     """tokens [B, T] (target ids, position t reads x_{t+1}), valid [B, T] -> [B, V]: the first position whose token is

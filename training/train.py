@@ -39,7 +39,7 @@ from griffin.target import file_lock, load_target_head, resolve_dtype, target_fi
 from .cli import fraction, nonnegative_float, nonnegative_int, positive_float, positive_int, prepare_out, run_cli
 from .losses import NAMES as TOKEN_LOSSES
 from .losses import make_token_loss
-from .objective import MultiPassObjective, make_batch
+from .objective import MultiPassObjective, batch_members, make_batch
 from .store import FeatureStore, StoreError
 
 log = logging.getLogger("train")
@@ -279,13 +279,9 @@ class Trainer:
 
     def batch_vocab(self, batch, reduce: bool) -> torch.Tensor | None:
         """The static draft vocabulary plus every token of the (global) batch, when the head uses context tokens."""
-        draft = self.draft
-        if draft.draft_vocab is None or not draft.config.context_vocab:
+        member = batch_members(self.draft, batch)
+        if member is None:
             return None
-        member = torch.zeros(draft.config.vocab_size, device=self.acc.device)
-        member[draft.static_vocab().to(self.acc.device)] = 1
-        member[batch.tokens[batch.valid]] = 1
-        member[batch.next_tokens[batch.next_tokens >= 0]] = 1
         if reduce:
             member = self.acc.reduce(member, reduction="sum")
         return member.nonzero().squeeze(1)
