@@ -79,7 +79,7 @@ class DraftLM:
         return index if self.vocab is None else self.vocab[index]
 
     def full(self, probs: torch.Tensor) -> torch.Tensor:
-        """Probabilities over the draft vocabulary [.., V'] -> over the target's ids [.., target_width] (0 elsewhere)."""
+        """Probabilities over the draft vocabulary [.., V'] -> over the target's ids [.., target_width], 0 elsewhere."""
         if self.vocab is None:
             return probs
         out = probs.new_zeros(*probs.shape[:-1], self.target_width)
