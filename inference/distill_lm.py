@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--train-only", default=None, metavar="NAMES",
                    help="only train these students (comma-separated), e.g. to train in several processes first")
+    p.add_argument("--eval-only", default=None, metavar="NAMES",
+                   help="only evaluate these trained students (comma-separated; kept under --work for the full run)")
     args = p.parse_args(argv)
     args.argv = argv
     return args
@@ -241,18 +243,23 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    reports = train_students(args, work)
+    if not args.eval_only:
+        reports = train_students(args, work)
     if args.train_only:
         return 0
     target, tokenizer = load_target(EMBEDDED_TARGET)
     question_ids, ids = prompts(tokenizer, args.questions)
+    for name, _, _ in variants(work):
+        cached = work / f"eval-{name}.json"
+        if not cached.is_file() and (not args.eval_only or name in args.eval_only.split(",")):
+            gen = student_generator(target, tokenizer, work / name, args.gamma)
+            atomic_write_json(cached, {f"T{t}": evaluate(gen, ids, args, float(t)) for t in (0, 1)})
+    if args.eval_only:
+        return 0
     references = None
     students = {}
     for name, description, _ in variants(work):
         cached = work / f"eval-{name}.json"
-        if not cached.is_file():
-            gen = student_generator(target, tokenizer, work / name, args.gamma)
-            atomic_write_json(cached, {f"T{t}": evaluate(gen, ids, args, float(t)) for t in (0, 1)})
         evaluation = json.loads(cached.read_text())
         if references is None:
             references = [target.generate(p[None], max_new_tokens=args.max_new_tokens, do_sample=False)[0, len(p):]
