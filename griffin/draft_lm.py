@@ -44,8 +44,8 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 class DraftLM:
     """A causal LM used as a draft: its decoder and the output rows of its (possibly reduced) vocabulary.
 
-    ``vocab`` [V'] (ascending target ids): the rows the draft scores. Without one, a draft whose logits are wider
-    than the target's (padding rows) scores only the target's ``target_width`` ids.
+    ``vocab`` [V'] (ascending target ids): the rows the draft scores. Without one, a draft whose logits width differs
+    from the target's (padding rows) scores the ids both have.
     """
 
     def __init__(self, model: PreTrainedModel, vocab: torch.Tensor | None = None, target_width: int | None = None):
@@ -56,8 +56,8 @@ class DraftLM:
         head = model.get_output_embeddings()
         width = head.weight.shape[0]
         self.target_width = target_width or width
-        if vocab is None and width > self.target_width:
-            vocab = torch.arange(self.target_width)
+        if vocab is None and width != self.target_width:
+            vocab = torch.arange(min(width, self.target_width))
         if vocab is not None and int(vocab.max()) >= self.target_width:
             raise ValueError(f"the draft vocabulary holds id {int(vocab.max())}, beyond the target's "
                              f"{self.target_width} logits")
@@ -79,7 +79,7 @@ class DraftLM:
         return index if self.vocab is None else self.vocab[index]
 
     def full(self, probs: torch.Tensor) -> torch.Tensor:
-        """Probabilities over the draft vocabulary [.., V'] -> over the target's ids [.., target_width] (0 elsewhere)."""
+        """Probabilities over the draft vocabulary [.., V'] -> over the target's ids [.., target_width], 0 elsewhere."""
         if self.vocab is None:
             return probs
         out = probs.new_zeros(*probs.shape[:-1], self.target_width)

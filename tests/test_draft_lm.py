@@ -35,6 +35,15 @@ def test_greedy_identical_on_tiny_targets_over_chain_lengths(family):
             out = gen.generate(prompt, max_new_tokens=20)
             assert torch.equal(out.sequences, ref), (gamma, vocab is None, seed)
             assert max(out.stats.accepted_hist) <= gamma + 1
+    # logits padded wider than the target's (as Qwen2.5 sizes differ): the draft proposes only ids the target has
+    wide = tiny_model(family, vocab_size=112, seed=2, hidden=32, layers=1)
+    gen = lm_generator(target, wide, gamma=3)
+    assert gen.draft.vocab.tolist() == list(range(96))
+    prompt = torch.tensor([3, 1, 4, 1, 5])
+    for temperature in (0.0, 1.0):
+        ref = target.generate(prompt[None], max_new_tokens=20, do_sample=False)
+        out = gen.generate(prompt, max_new_tokens=20, temperature=temperature, seed=0)
+        assert out.sequences.max() < 96 and (temperature or torch.equal(out.sequences, ref))
 
 
 def test_a_draft_equal_to_the_target_is_accepted_whole_and_eos_and_budget_cut_chains():

@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
