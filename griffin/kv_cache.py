@@ -74,13 +74,15 @@ class BufferCache(Cache):
         shape = (*key.shape[:-2], self.max_len, key.shape[-1])
         same = value.shape[:-2] == key.shape[:-2] and value.shape[-1] == key.shape[-1]
         if not self.buffers and same:
-            self.buffers.append(torch.empty(len(self.layers), 2, *shape, dtype=key.dtype, device=key.device))
+            # zeros, not empty: static passes attend over the whole buffer, where a NaN of old memory would poison
+            # the masked scores
+            self.buffers.append(torch.zeros(len(self.layers), 2, *shape, dtype=key.dtype, device=key.device))
         shared = self.buffers[0] if self.buffers else None
         if (shared is not None and same and shared.shape[2:] == shape and shared.dtype == key.dtype
                 and shared.device == key.device):
             return shared[index, 0], shared[index, 1]
-        keys = torch.empty(shape, dtype=key.dtype, device=key.device)
-        values = torch.empty((*value.shape[:-2], self.max_len, value.shape[-1]), dtype=value.dtype, device=key.device)
+        keys = torch.zeros(shape, dtype=key.dtype, device=key.device)
+        values = torch.zeros((*value.shape[:-2], self.max_len, value.shape[-1]), dtype=value.dtype, device=key.device)
         self.buffers += [keys, values]
         return keys, values
 
