@@ -251,7 +251,9 @@ def report(args, argv: list[str] | None) -> None:
             f"is the mean per-prompt difference from {BASELINE} over the same prompts and continuations, with its "
             "standard error (the figure that says whether two heads differ). α_d = fraction of cycles whose accepted "
             "path reaches depth d among those that reached d−1 (acceptance rate per draft depth). Validation top-1 "
-            "is on the store's held-out conversations with the inference-time draft vocabulary.\n\n"
+            "is on the store's held-out conversations with the inference-time draft vocabulary. soft-CE and FKL "
+            "differ by the target's entropy only, so they have the same gradient: the gap between those two heads is "
+            "the run-to-run noise of this setup (float rounding through bf16 autocast and Adam).\n\n"
             + markdown_table(headers, rows) + "\nTraining commands (`python -m inference.distill_heads --train`):"
             "\n\n" + "".join(f"- `{' '.join(['python'] + train_command(args, n)[1:])}`\n" for n in heads
                              if n != INIT) + "\nτ commands:\n\n" + "".join(f"- `{c}`\n" for c in commands) +
