@@ -29,9 +29,10 @@ import torch
 from tqdm.auto import tqdm
 
 from griffin import SpecGenerator
+from griffin.autotune import forward_cost
 from griffin.chat import prompt_ids
 from griffin.draft import DraftModel
-from griffin.draft_lm import DraftLM, load_draft_lm, measured_alpha
+from griffin.draft_lm import DraftLM, draft_step_cost, expected_tokens, load_draft_lm, measured_alpha
 from griffin.generator import default_head, fast_draft_dtype
 from griffin.io import atomic_write, atomic_write_json
 from griffin.plain import plain_generate
@@ -175,10 +176,25 @@ def speed(target, tokenizer, ids: list[torch.Tensor], best: Path, args: argparse
             reference = out if reference is None else reference
             identical[method] += out == reference
     fastest_plain = max(("generate", "plain"), key=lambda m: tokens[m] / seconds[m])
-    return {m: {"seconds": seconds[m], "tokens": tokens[m], "tokens_per_s": tokens[m] / seconds[m],
+    costs = break_even(students[gammas[0]], gammas)
+    rows = {m: {"seconds": seconds[m], "tokens": tokens[m], "tokens_per_s": tokens[m] / seconds[m],
                 "tau": tokens[m] / max(cycles[m], 1), "identical_fraction": identical[m] / len(ids),
                 "speedup_vs_fastest_plain": seconds[fastest_plain] / seconds[m] * tokens[m] / tokens[fastest_plain]}
-            for m in methods} | {"fastest_plain": fastest_plain}
+            for m in methods}
+    return {"fastest_plain": fastest_plain, "costs": costs, "methods": rows}
+
+
+def break_even(gen: SpecGenerator, gammas: list[int]) -> dict:
+    """Measured draft-step and verification costs, and the acceptance rate α at which chains of γ break even with
+    one-token target steps: ``τ(α, γ) · t(1) = γ · draft + t(γ+1)``."""
+    t = forward_cost(gen, [1] + [g + 1 for g in gammas])
+    step = draft_step_cost(gen.draft)
+    alphas = {}
+    for g in gammas:
+        need = (g * step + t[g + 1]) / t[1]
+        alphas[g] = next((a / 1000 for a in range(1001) if expected_tokens(a / 1000, g) >= need), None)
+    return {"draft_step_s": step, "target_forward_s": t, "draft_step_vs_target_step": step / t[1],
+            "break_even_alpha": alphas}
 
 
 def report(result: dict) -> str:
@@ -190,7 +206,7 @@ def report(result: dict) -> str:
                             "τ T=1", "greedy identical"], rows)
     sp = result["speed"]
     speed_rows = [[m, v["tokens_per_s"], v["tau"], f"{v['speedup_vs_fastest_plain']:.2f}x", v["identical_fraction"]]
-                  for m, v in sp.items() if isinstance(v, dict)]
+                  for m, v in sp["methods"].items()]
     s = result["settings"]
     head = (f"# Standalone draft LMs distilled for {EMBEDDED_TARGET}\n\n"
             f"Students: the target's first {s['layers']} layers with its embeddings and a {s['draft_vocab']}-token "
@@ -207,8 +223,15 @@ def report(result: dict) -> str:
             f"cores, torch {result['machine']['torch']}, {result['machine']['date']}. Training took "
             f"{result['train_minutes']:.1f} min in all, evaluation and speed {result['wall_minutes']:.1f} min (wall "
             "times on a machine shared with other jobs).\n")
+    c = sp["costs"]
+    costs = (f"\nMeasured costs: a draft step {1000 * c['draft_step_s']:.1f} ms, "
+             f"{c['draft_step_vs_target_step']:.2f} of a one-token target step "
+             f"({1000 * c['target_forward_s'][1]:.1f} ms); verifying γ+1 tokens: "
+             + ", ".join(f"{1000 * v:.1f} ms (n={n})" for n, v in c["target_forward_s"].items() if n != 1)
+             + ". Acceptance rate α a chain needs to break even: "
+             + ", ".join(f"γ={g}: {a}" for g, a in c["break_even_alpha"].items()) + ".\n")
     return head + table + speed_head + markdown_table(["method", "tokens/s", "τ", "speedup vs fastest plain",
-                                                       "identical to generate"], speed_rows) + foot
+                                                       "identical to generate"], speed_rows) + costs + foot
 
 
 def plot(result: dict, path: Path) -> None:
@@ -227,8 +250,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("acceptance rate α")
     ax.set_title("Distilled 2-layer students (same budget)")
     ax.legend()
-    methods = [m for m, v in result["speed"].items() if isinstance(v, dict)]
-    ax2.bar(range(len(methods)), [result["speed"][m]["speedup_vs_fastest_plain"] for m in methods])
+    methods = list(result["speed"]["methods"])
+    ax2.bar(range(len(methods)), [result["speed"]["methods"][m]["speedup_vs_fastest_plain"] for m in methods])
     ax2.axhline(1.0, color="black", linewidth=0.8)
     ax2.set_xticks(range(len(methods)))
     ax2.set_xticklabels(methods, rotation=30, ha="right")
