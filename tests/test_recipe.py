@@ -1,0 +1,91 @@
+"""training.recipe and the pieces it streams with: shard ranges of build_features, part ranges of regenerate, and a
+run that continues on a fresh machine from the committed heads without rebuilding what they consumed."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import run_main
+from tests.test_features import conversations, shards_equal, write_data
+from training import recipe
+
+
+def test_shard_ranges_build_the_shards_of_a_full_run_and_no_manifest(tmp_path, tiny_target_dir):
+    data = write_data(tmp_path / "d.json", conversations(6, words=12))
+    args = ["--target", str(tiny_target_dir), "--data", data, "--max-len", "128", "--shard-size", "2"]
+    assert run_main("training.build_features", *args, "--out", str(tmp_path / "ref"))[0] == 0
+    out = tmp_path / "ranged"
+    assert run_main("training.build_features", *args, "--out", str(out), "--shards", "2:3")[0] == 0
+    assert sorted(p.name for p in out.glob("shard-*")) == ["shard-00002.safetensors"]
+    assert not (out / "manifest.json").exists()
+    assert run_main("training.build_features", *args, "--out", str(out))[0] == 0  # fills in shards 0 and 1
+    assert shards_equal(tmp_path / "ref", out)
+    code, err = run_main("training.build_features", *args, "--out", str(out), "--shards", "3:1")
+    assert code == 2 and "--shards" in err
+
+
+def test_regenerate_answers_only_the_parts_asked_for(tmp_path, tiny_target_dir):
+    data = write_data(tmp_path / "d.json", conversations(6, words=6))
+    out = tmp_path / "regen"
+    code, err = run_main("training.regenerate", "--target", str(tiny_target_dir), "--data", data, "--out", str(out),
+                         "--parts", "1:2", "--part-size", "2", "--max-new-tokens", "4")
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["part-00001.jsonl"]  # no merged file with --parts
+    lines = [json.loads(x) for x in (out / "part-00001.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in lines] == ["2", "3"] and [t["from"] for t in lines[0]["conversations"]] == ["human", "gpt"]
+    assert "tok_s=" in err  # the throughput in the progress bar
+
+
+def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, tiny_target_dir, monkeypatch):
+    calls = []
+
+    def in_process(module: str, *argv: str) -> None:  # the recipe's steps, without a process each
+        calls.append((module, argv))
+        assert importlib.import_module(module).main(list(argv)) == 0
+
+    monkeypatch.setattr(recipe, "python", in_process)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in conversations(8, words=10)))
+    ckpt = tmp_path / "ckpt"
+    args = ["--target", str(tiny_target_dir), "--data", str(data), "--checkpoints", str(ckpt), "--shard-records",
+            "4", "--chunk-shards", "1", "--stage-chunks", "1,1,0.01", "--regen-records", "2", "--regen-new-tokens", "4",
+            "--max-len", "128", "--draft-vocab", "512", "--batch-size", "2"]
+    machine = {"--work": str(tmp_path / "work"), "--sharegpt-store": str(tmp_path / "sharegpt")}
+    argv = args + [x for kv in machine.items() for x in kv]
+    assert recipe.main(argv + ["--chunks", "1"]) == 0
+    state = json.loads((ckpt / "recipe.json").read_text())
+    assert state["settings"]["chunks"] == 2 and state["settings"]["stage_ends"] == [1, 2, 2]
+    assert {k: v["chunks"] for k, v in state["heads"].items()} == {"griffin-s1": [0], "eagle-s1": [0]}
+    head = load_file(str(ckpt / "wip-griffin-s1" / "model.safetensors"))
+    assert all(t.dtype == torch.float16 for t in head.values() if t.is_floating_point())
+
+    for folder in machine.values():  # a fresh machine: only the committed folder is left
+        shutil.rmtree(folder)
+    calls.clear()
+    assert recipe.main(argv) == 0
+    state = json.loads((ckpt / "recipe.json").read_text())
+    assert {k: v["chunks"] for k, v in state["heads"].items()} == {
+        "griffin-s1": [0], "eagle-s1": [0], "griffin": [0, 1], "griffin-k1": [0, 1], "eagle-tat": [0, 1],
+        "hass": [0, 1], "eagle2": [0, 1]}
+    built = [a for m, a in calls if m == "training.build_features" and "--shards" in a]
+    assert [a[a.index("--shards") + 1] for a in built] == ["1:2"]  # chunk 0 is never rebuilt
+    assert sorted(p.name for p in (tmp_path / "sharegpt").glob("shard-*")) == ["shard-00001.safetensors"]
+    run = json.loads((tmp_path / "work" / "runs" / "griffin" / "chunk-001" / "validation.json").read_text())["run"]
+    assert run["init_from"] == str(ckpt / "wip-griffin-s1") and run["steps"] == 2 and run["topk"] == 3
+    hass = json.loads((tmp_path / "work" / "runs" / "hass" / "chunk-001" / "validation.json").read_text())["run"]
+    assert hass["arch"] == "eagle" and hass["topk"] == 0 and hass["init_from"] == str(ckpt / "wip-eagle-s1")
+    stages = json.loads((ckpt / "wip-griffin" / "stages.json").read_text())
+    assert [s["run"]["steps"] for s in stages] == [1, 2]
+    assert "GRIFFIN" in (ckpt / "wip-griffin" / "README.md").read_text()
+    assert "Learning curve" in (ckpt / "README.md").read_text()
+    assert [r["head"] for r in state["curve"]][:2] == ["griffin-s1", "eagle-s1"] and len(state["curve"]) == 7
+
+    calls.clear()
+    assert recipe.main(argv) == 0 and calls == []  # all done: nothing runs
+    code, err = run_main("training.recipe", *argv, "--chunk-shards", "2")
+    assert code == 2 and "other settings" in err
