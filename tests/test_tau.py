@@ -1,0 +1,164 @@
+"""inference.tau: the offline replay gives the engine's τ (same cycles at T=0, same distribution at T>0), the
+continuation cache resumes and feeds MT-Bench's second turn, and the CLI fails in one line on bad input."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from griffin import DraftConfig, DraftModel, SpecGenerator, load_target
+from griffin.drafters import HeadDrafter
+from griffin.plain import plain_generate
+from griffin.sampling import SamplingConfig, warp
+from inference.tau import PromptTau, Sample, TauResult, continuations, evaluate, prepare_head, replay, target_features
+from tests.conftest import run_main, tiny_model
+
+# float64 throughout: the engine takes features from tree-verification forwards and the replay from a causal one;
+# in fp64 their rounding cannot flip a draft score tie, so the cycles must agree exactly
+F64 = torch.float64
+
+
+class NoTokenizer:
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def head_for(target, arch: str = "griffin", seed: int = 1) -> DraftModel:
+    torch.manual_seed(seed)
+    return DraftModel(DraftConfig.from_target(target.config, arch=arch))
+
+
+@pytest.mark.parametrize("arch", ["griffin", "eagle"])
+def test_greedy_replay_has_the_engines_cycles(arch):
+    # a 16-token vocabulary: an untrained head's top-k trees still hit the target's choices, at every depth
+    target = tiny_model("llama", vocab_size=16).to(F64)
+    head = head_for(target, arch)
+    draft = prepare_head(head, target, F64)
+    lengths = set()
+    shapes = [(5, 4, 12), (3, 3, 7), (4, 6, 20)] if arch == "griffin" else [(5, 4, 12)]
+    for depth, top_k, total in shapes:
+        gen = SpecGenerator(target, NoTokenizer(), head, depth=depth, top_k=top_k, total_tokens=total, draft_dtype=F64)
+        samples, stats = [], []
+        for seed in range(4):
+            prompt = torch.randint(0, 16, (5 + seed,), generator=torch.Generator().manual_seed(seed))
+            eos = [3] if seed % 2 else None  # some runs stop at EOS, possibly inside an accepted path
+            out = gen.generate(prompt, max_new_tokens=30 + seed, eos_token_id=eos)
+            samples.append(Sample(seed, 0, prompt.tolist(), out.sequences[0, len(prompt):].tolist()))
+            stats.append(out.stats)
+        result = evaluate({"head": draft}, target, samples, depth, top_k, total, progress=False)["head"]
+        for ours, engine in zip(result.prompts, stats):
+            assert (ours.new_tokens, ours.cycles, ours.tau) == (engine.new_tokens, engine.cycles, engine.tau)
+            lengths |= {d + 1 for d in ours.depths}
+        engine_hist: dict[int, int] = {}
+        for s in stats:
+            for k, v in s.accepted_hist.items():
+                engine_hist[k] = engine_hist.get(k, 0) + v
+        assert result.accepted_hist() == dict(sorted(engine_hist.items()))
+    assert {1, 2, 3} <= lengths  # paths of several lengths were accepted: a shifted feature or token would show
+
+
+def test_sampled_replay_has_the_engines_cycles_on_the_engines_own_samples():
+    # the emitted token at a node continues the walk iff it is a child, so the engine's own sampled output
+    # determines its cycles: replaying that output must give them back exactly
+    target = tiny_model("llama", vocab_size=12, seed=2).to(F64)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.3)  # spread-out distributions: sampled paths differ from greedy ones
+    head = head_for(target)
+    gen = SpecGenerator(target, NoTokenizer(), head, depth=4, top_k=4, total_tokens=12, draft_dtype=F64)
+    draft = prepare_head(head, target, F64)
+    prompt = torch.tensor([1, 7, 3, 9])
+    lengths = set()
+    for seed in range(12):
+        out = gen.generate(prompt, max_new_tokens=24, temperature=1.0, seed=seed)
+        cont = out.sequences[0, 4:]
+        ours = replay(HeadDrafter(draft, 4, 4, 12, 40), prompt, cont, target_features(target, prompt, cont))
+        assert (ours.cycles, ours.tau) == (out.stats.cycles, out.stats.tau), seed
+        lengths |= {d + 1 for d in ours.depths}
+    assert {1, 2, 3} <= lengths
+
+
+def test_sampled_replay_has_the_engines_tau_distribution():
+    """Exact τ distribution of the replay over every 4-token continuation (weighted by the target's probability)
+    against the engine's τ over many seeds."""
+    target = tiny_model("llama", vocab_size=3, hidden=16, layers=1, seed=11).to(F64)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.3)
+    head = head_for(target, "eagle", seed=3)
+    draft = prepare_head(head, target, F64)
+    cfg = SamplingConfig(temperature=1.0)
+    prompt = torch.tensor([1, 2, 0])
+    exact: dict[float, float] = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(3), repeat=4):
+            ids = torch.cat((prompt, torch.tensor(seq)))
+            probs = warp(target(ids[None]).logits[0, 2:-1], cfg)  # [4, V] distributions of the 4 new tokens
+            p = float(probs[torch.arange(4), torch.tensor(seq)].prod())
+            cont = torch.tensor(seq)
+            tau = replay(HeadDrafter(draft, 3, 2, 4, 10), prompt, cont, target_features(target, prompt, cont)).tau
+            exact[tau] = exact.get(tau, 0.0) + p
+    assert len(exact) == 3 and abs(sum(exact.values()) - 1) < 1e-6  # τ = 4, 2 or 4/3
+    gen = SpecGenerator(target, NoTokenizer(), head, depth=3, top_k=2, total_tokens=4, draft_dtype=F64)
+    runs = 250
+    counts = {tau: 0 for tau in exact}
+    for seed in range(runs):
+        counts[gen.generate(prompt, max_new_tokens=4, temperature=1.0, seed=seed).stats.tau] += 1
+    total = sum(exact.values())  # 1 up to warp's float32 rounding
+    assert chisquare([counts[t] for t in exact], [exact[t] / total * runs for t in exact]).pvalue > 0.001
+
+
+def test_alpha_and_histogram():
+    result = TauResult(3, [PromptTau(0, 0, 9, [0, 1, 3, 2], [False, False, False, True]),
+                           PromptTau(1, 0, 3, [1], [True])])
+    # depth 1: reached by all 5 cycles, passed by 4; depth 2: reached by the 4 cycles of depth >= 1 less the one
+    # censored at depth 1 (unknown), passed by 2; depth 3: reached by the 2 of depth >= 2 less the one censored at 2
+    assert result.alpha() == [4 / 5, 2 / 3, 1 / 1]
+    assert result.accepted_hist() == {1: 1, 2: 2, 3: 1, 4: 1}
+    assert result.tau == 12 / 5 and [p.tau for p in result.prompts] == [9 / 4, 3.0]
+
+
+def test_continuations_resume_and_feed_the_second_turn(tmp_path, tiny_target_dir):
+    model, tokenizer = load_target(tiny_target_dir)
+    bench = tmp_path / "prompts.jsonl"
+    bench.write_text(json.dumps({"question_id": 5, "turns": ["Hi there.", "And again?"]}) + "\n" +
+                     json.dumps({"prompt": "Name a colour."}) + "\n")
+    folder = tmp_path / "cont"
+    greedy = continuations(model, tokenizer, str(bench), max_new_tokens=6, folder=folder, progress=False)
+    assert [(s.question_id, s.turn) for s in greedy] == [(5, 0), (5, 1), (1, 0)]
+    for s in greedy:  # the target's own greedy continuation
+        ref = plain_generate(model, torch.tensor(s.prompt), 6, SamplingConfig(), torch.tensor([tokenizer.eos_token_id]))
+        assert s.continuation == ref.tolist()
+    first_answer = tokenizer.decode(greedy[0].continuation, skip_special_tokens=True)
+    second = tokenizer.apply_chat_template([{"role": "user", "content": "Hi there."},
+                                            {"role": "assistant", "content": first_answer},
+                                            {"role": "user", "content": "And again?"}],
+                                           tokenize=False, add_generation_prompt=True)
+    assert greedy[1].prompt == tokenizer(second, add_special_tokens=False)["input_ids"]
+    # a killed run leaves an incomplete file: the next run keeps what is there and generates only the rest
+    path = next(folder.iterdir())
+    header, *records = path.read_text().splitlines()
+    kept = json.loads(records[0]) | {"continuation": [7, 7, 7]}
+    path.write_text(json.dumps(json.loads(header) | {"complete": False}) + "\n" + json.dumps(kept) + "\n")
+    resumed = continuations(model, tokenizer, str(bench), max_new_tokens=6, folder=folder, progress=False)
+    assert resumed[0].continuation == [7, 7, 7] and len(resumed) == 3
+    assert json.loads(path.read_text().splitlines()[0])["complete"]
+    sampled = continuations(model, tokenizer, str(bench), temperature=1.0, seed=4, max_new_tokens=6, folder=folder,
+                            limit=1, progress=False)
+    again = continuations(model, tokenizer, str(bench), temperature=1.0, seed=4, max_new_tokens=6,
+                          folder=tmp_path / "other", limit=1, progress=False)
+    assert len(sampled) == 2 and [s.continuation for s in sampled] == [s.continuation for s in again]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--heads", "/nonexistent/head"], "not a draft head folder"),
+    (["--bench", "no_such_bench"], "unknown bench"),
+    (["--depth", "0"], "--depth must be at least 1"),
+])
+def test_cli_errors_are_one_line(args, message):
+    code, err = run_main("inference.tau", *args)
+    assert code == 2 and message in err and "Traceback" not in err
