@@ -53,14 +53,16 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     data.write_text("".join(json.dumps(r) + "\n" for r in conversations(8, words=10)))
     ckpt = tmp_path / "ckpt"
     args = ["--target", str(tiny_target_dir), "--data", str(data), "--checkpoints", str(ckpt), "--shard-records",
-            "4", "--chunk-shards", "1", "--stage-chunks", "1,1,0.01", "--regen-records", "2", "--regen-new-tokens", "4",
+            "4", "--chunk-shards", "1", "--stage-chunks", "3,1,0.01", "--regen-records", "2", "--regen-new-tokens", "4",
             "--max-len", "128", "--draft-vocab", "512", "--batch-size", "2"]
     machine = {"--work": str(tmp_path / "work"), "--sharegpt-store": str(tmp_path / "sharegpt")}
     argv = args + [x for kv in machine.items() for x in kv]
     assert recipe.main(argv + ["--chunks", "1"]) == 0
     state = json.loads((ckpt / "recipe.json").read_text())
-    assert state["settings"]["chunks"] == 2 and state["settings"]["stage_ends"] == [1, 2, 2]
+    # chunks: ShareGPT group 0, answers to group 0, ShareGPT group 1, answers to group 1
+    assert state["settings"]["chunks"] == 4 and state["settings"]["stage_ends"] == [3, 4, 4]
     assert {k: v["chunks"] for k, v in state["heads"].items()} == {"griffin-s1": [0], "eagle-s1": [0]}
+    assert not (tmp_path / "work" / "regen").exists()  # chunk 0 is ShareGPT's
     head = load_file(str(ckpt / "wip-griffin-s1" / "model.safetensors"))
     assert all(t.dtype == torch.float16 for t in head.values() if t.is_floating_point())
 
@@ -69,21 +71,28 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     calls.clear()
     assert recipe.main(argv) == 0
     state = json.loads((ckpt / "recipe.json").read_text())
+    stage1 = [0, 1, 2]
     assert {k: v["chunks"] for k, v in state["heads"].items()} == {
-        "griffin-s1": [0], "eagle-s1": [0], "griffin": [0, 1], "griffin-k1": [0, 1], "eagle-tat": [0, 1],
-        "hass": [0, 1], "eagle2": [0, 1]}
+        "griffin-s1": stage1, "eagle-s1": stage1, "griffin": stage1 + [3], "griffin-k1": stage1 + [3],
+        "eagle-tat": stage1 + [3], "hass": stage1 + [3], "eagle2": stage1 + [3]}
     built = [a for m, a in calls if m == "training.build_features" and "--shards" in a]
     assert [a[a.index("--shards") + 1] for a in built] == ["1:2"]  # chunk 0 is never rebuilt
     assert sorted(p.name for p in (tmp_path / "sharegpt").glob("shard-*")) == ["shard-00001.safetensors"]
-    run = json.loads((tmp_path / "work" / "runs" / "griffin" / "chunk-001" / "validation.json").read_text())["run"]
-    assert run["init_from"] == str(ckpt / "wip-griffin-s1") and run["steps"] == 2 and run["topk"] == 3
-    hass = json.loads((tmp_path / "work" / "runs" / "hass" / "chunk-001" / "validation.json").read_text())["run"]
-    assert hass["arch"] == "eagle" and hass["topk"] == 0 and hass["init_from"] == str(ckpt / "wip-eagle-s1")
+    regen = [a[a.index("--parts") + 1] for m, a in calls if m == "training.regenerate"]
+    assert regen == ["0:1", "1:2"]
+    first = json.loads((tmp_path / "work" / "runs" / "griffin-s1" / "chunk-001" / "validation.json").read_text())
+    assert first["run"]["init_from"] == str(ckpt / "wip-griffin-s1")  # the committed head after chunk 0
+    run = json.loads((tmp_path / "work" / "runs" / "griffin" / "chunk-003" / "validation.json").read_text())["run"]
+    assert run["init_from"] == str(tmp_path / "work" / "runs" / "griffin-s1" / "chunk-002")
+    assert run["steps"] == 2 and run["topk"] == 3
+    hass = json.loads((tmp_path / "work" / "runs" / "hass" / "chunk-003" / "validation.json").read_text())["run"]
+    assert hass["arch"] == "eagle" and hass["topk"] == 0 and hass["steps"] == 2
     stages = json.loads((ckpt / "wip-griffin" / "stages.json").read_text())
-    assert [s["run"]["steps"] for s in stages] == [1, 2]
+    assert [s["run"]["steps"] for s in stages] == [1, 1, 1, 2]
     assert "GRIFFIN" in (ckpt / "wip-griffin" / "README.md").read_text()
     assert "Learning curve" in (ckpt / "README.md").read_text()
-    assert [r["head"] for r in state["curve"]][:2] == ["griffin-s1", "eagle-s1"] and len(state["curve"]) == 7
+    assert [r["head"] for r in state["curve"]][:2] == ["griffin-s1", "eagle-s1"] and len(state["curve"]) == 11
+    assert [t["kind"] for t in state["timings"]] == ["sharegpt", "regen", "sharegpt", "regen"]
 
     calls.clear()
     assert recipe.main(argv) == 0 and calls == []  # all done: nothing runs

