@@ -49,11 +49,14 @@ def _key(gen) -> str:
 def forward_cost(gen, sizes: list[int], context: int = 256, repeats: int = 5) -> dict[int, float]:
     """Median seconds of one target forward over n new tokens after ``context`` cached ones."""
     forward = cached_context_forward(gen, context, max(sizes))
+    sync = torch.cuda.synchronize if gen.device.type == "cuda" else lambda: None
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for _ in range(repeats):
         for n in sizes:  # interleaved, so that machine noise spreads over all sizes
+            sync()
             t0 = time.perf_counter()
             forward(n)
+            sync()
             times[n].append(time.perf_counter() - t0)
     return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
 
@@ -92,16 +95,16 @@ def expected_tau(trace: list, total: int, depth: int) -> float:
     return sum(accepted) / len(accepted)
 
 
-def autotune(gen, max_new_tokens: int = 96) -> tuple[int, int, int]:
+def autotune(gen, max_new_tokens: int = 96, retune: bool = False) -> tuple[int, int, int]:
     """-> (depth, top_k, total_tokens) for ``gen``'s target and head on this machine (cached)."""
     path = cache_dir() / "autotune" / f"{_key(gen)}.json"
-    if path.is_file():
+    if path.is_file() and not retune:
         choice = json.loads(path.read_text())
         return choice["depth"], choice["top_k"], choice["total_tokens"]
     log.info("tuning the tree size for this machine and head (once; cached in %s)", path)
     costs = forward_cost(gen, [1] + [total + 1 for total in TOTALS])  # the root and `total` drafted nodes
-    saved = gen.depth, gen.total_tokens
-    gen.depth, gen.total_tokens = MAX_DEPTH, MAX_TOTAL
+    saved = gen.depth, gen.total_tokens, gen.timing
+    gen.depth, gen.total_tokens, gen.timing = MAX_DEPTH, MAX_TOTAL, True  # the draft time per cycle is needed
     trace: list = []
     draft_time = cycles = 0
     from .generator import GenerationStats
@@ -116,7 +119,7 @@ def autotune(gen, max_new_tokens: int = 96) -> tuple[int, int, int]:
             draft_time += stats.draft_s
             cycles += stats.cycles
     finally:
-        gen.depth, gen.total_tokens = saved
+        gen.depth, gen.total_tokens, gen.timing = saved
     per_level = draft_time / max(cycles, 1) / MAX_DEPTH  # the update pass plus depth-1 expansions per cycle
     best = None
     table = []

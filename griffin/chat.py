@@ -43,8 +43,26 @@ BUILTIN_TEMPLATES = {
 }
 
 
+ROLES = ("system", "user", "assistant", "tool")  # what chat templates know; anything else is refused up front
+
+
 class TemplateError(ValueError):
     pass
+
+
+def check_messages(messages) -> list[dict[str, str]]:
+    """A conversation as a list of ``{"role", "content"}`` dicts with known roles and text content, or a clear error."""
+    if isinstance(messages, dict) or not isinstance(messages, (list, tuple)) or not messages:
+        raise TemplateError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise TemplateError(f"message {i} must be a dict with 'role' and 'content', got {message!r:.80}")
+        if message["role"] not in ROLES:
+            raise TemplateError(f"message {i} has role {message['role']!r}, which chat templates do not know: use "
+                                f"one of {', '.join(ROLES)}")
+        if not isinstance(message["content"], str):
+            raise TemplateError(f"message {i} has content of type {type(message['content']).__name__}: pass text")
+    return list(messages)
 
 
 def set_chat_template(tokenizer: PreTrainedTokenizerBase, template: str | None) -> None:
@@ -63,7 +81,16 @@ def set_chat_template(tokenizer: PreTrainedTokenizerBase, template: str | None) 
 
 
 def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    """The conversation as text by the tokenizer's chat template; a template that refuses it raises TemplateError."""
+    import jinja2
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise TemplateError("the tokenizer has no chat template: pass token ids or a string instead of messages, or "
+                            "set tokenizer.chat_template (training: --chat-template)")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except jinja2.TemplateError as err:
+        raise TemplateError(f"the chat template refused the conversation: {err}") from err
 
 
 def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> tuple[str, list[tuple]]:
@@ -100,5 +127,5 @@ def tokenize_conversation(
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of a conversation ready for the assistant's next turn."""
-    text = render(tokenizer, messages, add_generation_prompt=True)
+    text = render(tokenizer, check_messages(messages), add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -12,6 +12,9 @@ from typing import Any
 from transformers import LlamaConfig
 
 ARCHS = ("griffin", "eagle")
+POSITIVE_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                 "head_dim", "tgf_intermediate_size", "max_position_embeddings", "num_hidden_layers")
+OPTIONAL = ("head_dim", "tgf_intermediate_size")  # derived when None
 
 
 @dataclass
@@ -46,6 +49,21 @@ class DraftConfig:
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        for name in POSITIVE_INTS:
+            value = getattr(self, name)
+            if (value is not None or name not in OPTIONAL) and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"field {name!r} must be a positive integer, got {value!r}")
+        if not isinstance(self.draft_vocab_size, int) or isinstance(self.draft_vocab_size, bool):
+            raise ValueError(f"field 'draft_vocab_size' must be an integer, got {self.draft_vocab_size!r}")
+        if isinstance(self.rms_norm_eps, bool) or not isinstance(self.rms_norm_eps, (int, float)) or not (
+                self.rms_norm_eps > 0):
+            raise ValueError(f"field 'rms_norm_eps' must be a positive number, got {self.rms_norm_eps!r}")
+        if not isinstance(self.rope_parameters, dict) or "rope_theta" not in self.rope_parameters:
+            raise ValueError(f"field 'rope_parameters' must be a dict with 'rope_theta', got {self.rope_parameters!r}")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
+                             f"{self.num_attention_heads}: set head_dim")
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.arch == "griffin" and self.tgf_intermediate_size is None:
@@ -111,10 +129,17 @@ class DraftConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DraftConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
+        if not isinstance(data, dict):
+            raise ValueError(f"a draft config is a JSON object, got {type(data).__name__}")
+        fields = dataclasses.fields(cls)
+        unknown = sorted(set(data) - {f.name for f in fields})
         if unknown:
             raise ValueError(f"unknown fields in draft config: {unknown}")
+        required = [f.name for f in fields if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise ValueError(f"missing fields {missing} in draft config")
         return cls(**data)
 
     def save(self, folder: str | os.PathLike) -> None:

@@ -10,7 +10,6 @@ Shapes: B batch, T new positions, S keys (cache + new), H hidden, nh/nkv heads, 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -18,12 +17,13 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from .config import DraftConfig
-from .io import atomic_write
+from .family import logits_transform
+from .io import atomic_write, load_safetensors, read_json
 from .target import target_fingerprint
 
 log = logging.getLogger(__name__)
@@ -134,6 +134,7 @@ class DraftModel(nn.Module):
         else:
             self.draft_vocab = None
         self._shared: dict[str, torch.Tensor | nn.Module | None] = {}
+        self.logits_transform = logits_transform(config)  # identity until attached
         self.apply(self._init_weights)
 
     @staticmethod
@@ -161,6 +162,7 @@ class DraftModel(nn.Module):
             log.warning("draft head was trained for target %s with another architecture fingerprint; acceptance may "
                         "be poor (outputs stay exact)", cfg.target.get("name"))
         self._shared = {"embed": target.get_input_embeddings(), "lm_head": target.get_output_embeddings()}
+        self.logits_transform = logits_transform(tcfg)  # the target's own logits step (griffin.family)
         return self
 
     @property
@@ -185,7 +187,7 @@ class DraftModel(nn.Module):
     def logits(self, predict: torch.Tensor) -> torch.Tensor:
         """predict [.., H] -> logits over the static draft vocabulary [.., V_d] (drafting uses DraftVocab)."""
         weight = self.lm_weight_full()[self.static_vocab().to(predict.device)]
-        return F.linear(predict, weight.to(predict.dtype))
+        return self.logits_transform(F.linear(predict, weight.to(predict.dtype)))
 
     # --- forward -----------------------------------------------------------------------------------------------------
 
@@ -262,15 +264,21 @@ class DraftModel(nn.Module):
         config_path = folder / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{folder} is not a draft head folder: config.json is missing")
-        raw = json.loads(config_path.read_text())
+        raw = read_json(config_path, "head config")
+        if not isinstance(raw, dict):
+            raise ValueError(f"{config_path} holds a JSON {type(raw).__name__}, not a head config object")
         if is_official_config(raw):
             model = load_official(folder, raw, target_config)
         else:
             weights = folder / WEIGHTS_NAME
             if not weights.is_file():
                 raise FileNotFoundError(f"{weights} is missing")
-            model = cls(DraftConfig.from_dict(raw))
-            state = load_file(str(weights))
+            try:
+                config = DraftConfig.from_dict(raw)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"{config_path}: {err}") from None
+            model = cls(config)
+            state = load_safetensors(weights)
             check_state_dict(model, state, str(weights))
             model.load_state_dict(state)
         model.requires_grad_(False).eval()

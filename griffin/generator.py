@@ -1,14 +1,18 @@
 """SpecGenerator: speculative generation with a draft head, exactly the target's output.
 
-One cycle: the head drafts a tree (:mod:`griffin.tree`), the target verifies every node in one forward pass through
-its public HF forward (4D tree mask, position ids, preallocated KV cache), the longest acceptable path plus one bonus
-token is emitted, the KV entries of that path are compacted in place, and the head reads the target's features of the
-accepted tokens before drafting again.
+One cycle (:meth:`SpecGenerator._steps`, the one generation loop): a drafter proposes a tree (:mod:`griffin.drafters`,
+:mod:`griffin.tree`), the target verifies every node in one forward pass (:mod:`griffin.backend`: 4D tree mask,
+position ids, a static KV buffer), a verifier picks the accepted path and the bonus token (:mod:`griffin.verify`), the
+KV entries of that path are compacted with one index copy, and the drafter reads the target's features of the
+accepted tokens before drafting again. Everything stays on the model's device; the emitted tokens go to the host once
+per cycle, and nothing else waits for the device unless timing is asked for.
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
+import math
+import numbers
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -18,16 +22,20 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .chat import prompt_ids
+from .backend import TargetBackend
+from .chat import check_messages, prompt_ids
+from .compat import check_compatible
 from .draft import DraftModel
+from .draft_lm import DraftLM, DraftLMDrafter, load_draft_lm
 from .drafters import HeadDrafter
-from .family import output_logits, verification_mask
-from .kernels import WeightMajorLinears, default_max_rows
+from .family import check_target
 from .kv_cache import BufferCache
-from .sampling import SamplingConfig, accept_greedy, accept_sampling, sample_token
-from .target import EMBEDDED_TARGET, load_target, resolve_dtype
+from .sampling import SamplingConfig, sample_token
+from .target import EMBEDDED_TARGET, load_target, resolve_dtype, resolve_target_path
 from .tree import Tree
+from .verify import Verifier, default_verifier
 
+log = logging.getLogger(__name__)
 CHECKPOINTS = Path(os.environ.get("GRIFFIN_CHECKPOINTS", Path(__file__).resolve().parent.parent / "checkpoints"))
 DEFAULT_HEADS = {EMBEDDED_TARGET: "smollm2-135m-instruct-griffin"}
 
@@ -37,19 +45,17 @@ class GenerationStats:
     new_tokens: int = 0
     cycles: int = 0  # target verification passes (the prefill is not a cycle)
     accepted_hist: dict[int, int] = field(default_factory=dict)  # tokens emitted per cycle (bonus included) -> count
+    # the split of the time below is measured only with timing on (SpecGenerator(timing=True)): it synchronises
     draft_s: float = 0.0
     verify_s: float = 0.0
     other_s: float = 0.0
     prefill_s: float = 0.0
+    wall_s: float = 0.0  # time spent generating (not by the consumer of the stream), always measured
 
     @property
     def tau(self) -> float:
         """Acceptance length: new tokens per verification pass."""
         return self.new_tokens / self.cycles if self.cycles else float(self.new_tokens)
-
-    @property
-    def wall_s(self) -> float:
-        return self.draft_s + self.verify_s + self.other_s + self.prefill_s
 
     def as_dict(self) -> dict:
         return {"new_tokens": self.new_tokens, "cycles": self.cycles, "tau": self.tau,
@@ -65,39 +71,53 @@ class GenerationResult:
 
 
 class _Clock:
-    """Accumulates wall time into a stats field; synchronises CUDA so the split is honest."""
+    """Adds the time since the last lap to a stats field; synchronises the device so that the split is honest.
+    Disabled (``enabled=False``), a lap does nothing at all."""
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: torch.device, stats: GenerationStats, enabled: bool):
+        self.sync = device.type == "cuda"
+        self.stats, self.enabled = stats, enabled
         self.t = time.perf_counter()
 
-    def lap(self) -> float:
-        if self.cuda:
+    def lap(self, name: str | None = None) -> None:
+        if not self.enabled:
+            return
+        if self.sync:
             torch.cuda.synchronize()
         now = time.perf_counter()
-        elapsed, self.t = now - self.t, now
-        return elapsed
+        if name is not None:
+            setattr(self.stats, name, getattr(self.stats, name) + now - self.t)
+        self.t = now
 
 
 class SpecGenerator:
-    def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, draft: DraftModel, depth: int = 5,
-                 top_k: int = 8, total_tokens: int = 24, draft_dtype: torch.dtype | None = None,
-                 weight_major_rows: int | None = None):
-        for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
+    """Speculative generation with a draft head (EAGLE-2 trees) or a standalone draft LM (``draft`` a
+    :class:`griffin.draft_lm.DraftLM`: chains of ``gamma`` tokens, classic speculative sampling)."""
+
+    def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, draft: DraftModel | DraftLM,
+                 depth: int = 5, top_k: int = 8, total_tokens: int = 24, draft_dtype: torch.dtype | None = None,
+                 weight_major_rows: int | None = None, timing: bool = False, gamma: int = 4,
+                 compile: str | dict | None = None):
+        for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens), ("gamma", gamma)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.target, self.tokenizer = target, tokenizer
-        self.device = next(target.parameters()).device
-        self.draft = draft.to(device=self.device, dtype=draft_dtype or draft.fusion.fc.weight.dtype).eval()
-        self.draft.attach(target)
-        self.decoder = target.get_decoder()
-        self.lm_head = target.get_output_embeddings()
+        self.backend = TargetBackend(target, weight_major_rows, compile=compile)
+        self.device = self.backend.device
+        self.gamma = gamma  # chain length of a draft LM
+        if isinstance(draft, DraftLM):
+            self.draft = draft
+        else:
+            self.draft = draft.to(device=self.device, dtype=draft_dtype or draft.fusion.fc.weight.dtype).eval()
+            self.draft.attach(target)
+        self.decoder, self.lm_head = self.backend.decoder, self.backend.lm_head
+        self.num_layers = self.backend.num_layers
+        self.weight_major = self.backend.weight_major
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
-        self.num_layers = target.config.get_text_config().num_hidden_layers
-        if weight_major_rows is None:
-            weight_major_rows = default_max_rows(self.device)
-        self.weight_major = WeightMajorLinears(target, weight_major_rows)  # see griffin.kernels
+        self.timing = timing  # split draft / verify / other time in GenerationStats (synchronises the device)
         self.draft_path: Path | None = None  # the folder the head was loaded from, if any
+        self._drafter: HeadDrafter | DraftLMDrafter | None = None
+        self._busy = False  # a generation is using the shared KV buffer and drafter
 
     @classmethod
     def from_pretrained(cls, target: str | os.PathLike | PreTrainedModel = EMBEDDED_TARGET,
@@ -105,23 +125,49 @@ class SpecGenerator:
                         total_tokens: int | str = "auto", dtype: str | torch.dtype | None = None,
                         device: str | torch.device | None = None, draft_dtype: str | torch.dtype | None = "auto",
                         tokenizer: PreTrainedTokenizerBase | None = None,
-                        weight_major_rows: int | None = None) -> SpecGenerator:
-        """``target``: a name (``smollm2-135m-instruct``), a local HF folder or a loaded model; ``draft``: a head
-        folder, a :class:`DraftModel`, or None for the head shipped for the target. ``total_tokens="auto"`` (the
-        default) picks the tree size and depth that maximise the expected speedup on this machine (measured once,
-        then cached), overriding ``depth``; pass an int to fix the tree.
+                        weight_major_rows: int | None = None, timing: bool = False,
+                        compile: str | dict | None = None,
+                        draft_model: str | os.PathLike | PreTrainedModel | None = None,
+                        gamma: int | str = "auto", retune: bool = False) -> SpecGenerator:
+        """``target``: a name (``smollm2-135m-instruct``), a local HF folder or a loaded model (moved to ``device``
+        and cast to ``dtype`` when given; its tokenizer is then found locally from the name it was loaded under, or
+        pass ``tokenizer``); ``draft``: a head folder, a :class:`DraftModel`, or None for the head shipped for the
+        target. ``total_tokens="auto"`` (the default) picks the tree size and depth that maximise the speedup on this
+        machine (measured once in under a minute, then cached; ``retune=True`` measures again), overriding
+        ``depth``; pass an int to fix the tree and skip tuning.
         ``draft_dtype="auto"`` runs the head in bf16 where the hardware computes it natively (see
         :func:`fast_draft_dtype`); the head's dtype changes which tokens are drafted, never the output.
         ``weight_major_rows``: verification passes of up to this many tokens compute the target's linear layers
-        weight-major (:mod:`griffin.kernels`; default 8 on CPU and 0, off, on GPUs)."""
+        weight-major (:mod:`griffin.kernels`; default 8 on CPU and 0, off, on GPUs). ``timing``: record the
+        draft / verify / other split of each generation's time (synchronises the device; off by default).
+        ``compile``: run verification passes with static shapes through ``torch.compile`` (a mode such as
+        ``"reduce-overhead"``, which uses CUDA graphs, or a dict of its options; off by default).
+
+        ``draft_model``: a standalone draft LM instead of a head (classic speculative sampling): a folder (e.g. from
+        ``python -m training.distill``) or a loaded HF causal LM that uses the target's tokenizer (checked first:
+        :func:`griffin.compat.check_compatible`). It drafts chains of ``gamma`` tokens; ``gamma="auto"`` (the default)
+        picks the length with the best expected speedup from measured costs and acceptance (cached, like the tree
+        size).
+
+        The output is the target's own: greedy tokens equal ``transformers``' ``generate`` on the same model, dtype
+        and device (see :mod:`griffin.family` for what "identical" means in bf16 on GPUs); targets whose family
+        verification cannot reproduce are refused with the reason (:func:`griffin.family.check_target`)."""
+        if total_tokens != "auto" and (isinstance(total_tokens, bool) or not isinstance(total_tokens, int)
+                                       or total_tokens < 1):
+            raise ValueError(f"total_tokens must be 'auto' or a positive integer, got {total_tokens!r}")
         if isinstance(target, PreTrainedModel):
             model = target.eval()
-            tokenizer = tokenizer or AutoTokenizer.from_pretrained(model.config._name_or_path)
+            if device is not None or dtype is not None:  # as for a name: the target runs where and how asked
+                model.to(device=device, dtype=resolve_dtype(dtype))
+            tokenizer = tokenizer or local_tokenizer(model)
             target_name = model.config._name_or_path
         else:
             model, loaded_tokenizer = load_target(target, dtype=dtype, device=device)
             tokenizer = tokenizer or loaded_tokenizer
             target_name = str(target)
+        check_target(model)
+        if draft_model is not None:
+            return cls._with_draft_lm(model, tokenizer, draft_model, gamma, draft_dtype, weight_major_rows, timing)
         if draft is None:
             draft = default_head(target_name)
         draft_path = None
@@ -131,12 +177,44 @@ class SpecGenerator:
         if draft_dtype == "auto":
             draft_dtype = fast_draft_dtype(next(model.parameters()).device)
         gen = cls(model, tokenizer, draft, depth=depth, top_k=top_k, total_tokens=1 if total_tokens == "auto" else
-                  total_tokens, draft_dtype=resolve_dtype(draft_dtype), weight_major_rows=weight_major_rows)
+                  total_tokens, draft_dtype=resolve_dtype(draft_dtype), weight_major_rows=weight_major_rows,
+                  timing=timing, compile=compile)
         gen.draft_path = draft_path
         if total_tokens == "auto":
             from .autotune import autotune
 
-            gen.depth, gen.top_k, gen.total_tokens = autotune(gen)
+            gen.depth, gen.top_k, gen.total_tokens = autotune(gen, retune=retune)
+        return gen
+
+    @classmethod
+    def _with_draft_lm(cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                       draft_model: str | os.PathLike | PreTrainedModel, gamma: int | str,
+                       draft_dtype: str | torch.dtype | None, weight_major_rows: int | None,
+                       timing: bool) -> SpecGenerator:
+        device = next(model.parameters()).device
+        dtype = None if draft_dtype == "auto" else resolve_dtype(draft_dtype)
+        vocab, draft_path = None, None
+        if isinstance(draft_model, PreTrainedModel):
+            lm = draft_model.to(device=device, dtype=dtype).eval()
+            source = Path(lm.config._name_or_path or "")
+            if not (source / "tokenizer_config.json").is_file():
+                raise ValueError("the draft model was not loaded from a folder with its tokenizer, which the "
+                                 "compatibility check needs: save it with its tokenizer and pass the folder")
+            draft_tokenizer = AutoTokenizer.from_pretrained(source)
+        else:
+            draft_path = Path(draft_model)
+            lm, draft_tokenizer, vocab = load_draft_lm(draft_path, dtype=dtype, device=device)
+        check_compatible(tokenizer, draft_tokenizer, model, lm)
+        if gamma != "auto" and (not isinstance(gamma, int) or gamma < 1):
+            raise ValueError(f"gamma must be a positive integer or 'auto', got {gamma!r}")
+        draft = DraftLM(lm, vocab, target_width=model.get_output_embeddings().weight.shape[0])
+        gen = cls(model, tokenizer, draft, weight_major_rows=weight_major_rows, timing=timing,
+                  gamma=1 if gamma == "auto" else gamma)
+        gen.draft_path = draft_path
+        if gamma == "auto":
+            from .draft_lm import tune_gamma
+
+            gen.gamma = tune_gamma(gen)["gamma"]
         return gen
 
     # --- inputs --------------------------------------------------------------------------------------------------
@@ -150,11 +228,25 @@ class SpecGenerator:
         elif isinstance(inputs, torch.Tensor):
             if inputs.dim() == 2 and inputs.shape[0] != 1:
                 raise ValueError(f"batch size {inputs.shape[0]} is not supported yet: pass one prompt")
+            if inputs.dim() > 2 or inputs.is_floating_point() or inputs.is_complex() or inputs.dtype == torch.bool:
+                raise ValueError(f"token ids must be a 1D integer tensor, got dtype {inputs.dtype} and shape "
+                                 f"{tuple(inputs.shape)}")
             ids = inputs.reshape(-1).tolist()
-        else:
+        elif isinstance(inputs, (Sequence, Iterator)) and not isinstance(inputs, (bytes, dict)):
             ids = list(inputs)
+            bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, numbers.Integral)), None)
+            if bad is not None:
+                raise ValueError(f"token ids must be integers, got {bad!r} ({type(bad).__name__}); pass a string or "
+                                 "chat messages to have them tokenized")
+        else:
+            raise ValueError(f"cannot generate from a {type(inputs).__name__}: pass token ids, a string or chat "
+                             "messages")
         if len(ids) == 0:
             raise ValueError("the prompt is empty: pass at least one token")
+        vocab = self.target.get_input_embeddings().num_embeddings
+        out_of_range = [i for i in ids if not 0 <= int(i) < vocab]
+        if out_of_range:
+            raise ValueError(f"token ids {out_of_range[:5]} are outside the target's vocabulary [0, {vocab})")
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def eos_ids(self, eos_token_id: int | Sequence[int] | None) -> torch.Tensor:
@@ -162,7 +254,9 @@ class SpecGenerator:
             eos_token_id = self.target.generation_config.eos_token_id
             if eos_token_id is None:
                 eos_token_id = self.tokenizer.eos_token_id
-        ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        ids = [eos_token_id] if isinstance(eos_token_id, numbers.Integral) else list(eos_token_id or [])
+        if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in ids):
+            raise ValueError(f"eos_token_id must be an integer or a list of integers, got {eos_token_id!r}")
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     # --- target ------------------------------------------------------------------------------------------------------
@@ -170,98 +264,132 @@ class SpecGenerator:
     def _target_forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                         cache: BufferCache, last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [q] at positions [q], allowed [q, q] among them (all past entries visible) -> hidden [q, H] and
-        logits [q, V] (or [1, V] for the last position only)."""
-        q = tokens.shape[0]
-        mask = verification_mask(self.target, cache.length, tree_mask, self.lm_head.weight.dtype)
-        small = 2 <= q <= self.weight_major.max_rows
-        with self.weight_major if small else contextlib.nullcontext():
-            hidden = self.decoder(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask,
-                                  past_key_values=cache, use_cache=True).last_hidden_state[0]  # [q, H]
-            logits = output_logits(self.target, hidden[-1:] if last_logits_only else hidden)
-        return hidden, logits
+        logits [q, V] (or [1, V] for the last position only). See :meth:`TargetBackend.forward`."""
+        return self.backend.forward(tokens, positions, tree_mask, cache, last_logits_only)
 
     # --- generation ----------------------------------------------------------------------------------------------
 
-    def make_drafter(self, capacity: int) -> HeadDrafter:
-        """A drafter for one generation of up to ``capacity`` positions."""
-        return HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
+    def make_drafter(self, capacity: int, shared: bool = True) -> HeadDrafter | DraftLMDrafter:
+        """The drafter, prepared for one generation of up to ``capacity`` positions. ``shared``: the one built once
+        and reused (its draft vocabulary and KV cache survive across generations), else a new one."""
+        if isinstance(self.draft, DraftLM):
+            if not shared:
+                return DraftLMDrafter(self.draft, self.gamma, capacity)
+            if self._drafter is None or self._drafter.draft is not self.draft:
+                self._drafter = DraftLMDrafter(self.draft, self.gamma, capacity)
+            else:
+                self._drafter.prepare(self.gamma, capacity)
+            return self._drafter
+        if not shared:
+            return HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
+        if self._drafter is None or self._drafter.draft is not self.draft:
+            self._drafter = HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
+        else:
+            self._drafter.prepare(self.depth, self.top_k, self.total_tokens, capacity)
+        return self._drafter
 
     @torch.inference_mode()
     def _steps(self, ids: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig, eos: torch.Tensor,
                generator: torch.Generator | None, stats: GenerationStats, drafter=None,
-               trace: list | None = None) -> Iterator[torch.Tensor]:
-        """Yield the new tokens of each cycle ([n] LongTensor) until EOS or the token budget.
+               trace: list | None = None, verifier: Verifier | None = None) -> Iterator[torch.Tensor]:
+        """Yield the new tokens of each cycle (a CPU LongTensor [n]) until EOS or the token budget.
 
-        ``trace``, if given, receives ``(tree, path)`` of every cycle (used to tune the tree size).
+        Per cycle: ``drafter.propose`` -> one target forward -> ``verifier.accept`` -> KV compaction ->
+        ``drafter.accept``. One host sync per cycle (the emitted tokens, with their count and the stop flag); all
+        else, EOS and budget checks included, is tensor work on the model's device. ``trace``, if given, receives
+        ``(tree, path)`` of every cycle (used to tune the tree size).
         """
-        clock = _Clock(self.device)
+        # the KV buffer and the head's drafter are reused across generations, unless another one is still running
+        shared = not self._busy
+        self._busy = True
+        try:
+            yield from self._cycles(ids, max_new_tokens, sampling, eos, generator, stats, drafter, trace, verifier,
+                                    shared)
+        finally:
+            if shared:
+                self._busy = False
+
+    def _cycles(self, ids, max_new_tokens, sampling, eos, generator, stats, drafter, trace, verifier, shared):
+        clock = _Clock(self.device, stats, self.timing)
+        started = time.perf_counter()
         p = ids.shape[0]
-        drafter = drafter or self.make_drafter(p + max_new_tokens)
-        tree_cap = min(self.total_tokens, self.top_k + (self.depth - 1) * self.top_k**2) + 1
-        cache = BufferCache(self.num_layers, p + max_new_tokens + max(tree_cap, drafter.total_tokens + 1))
-        positions = torch.arange(p, device=self.device)
-        causal = torch.ones(p, p, dtype=torch.bool, device=self.device).tril()
-        hidden, logits = self._target_forward(ids, positions, causal, cache, last_logits_only=True)
-        token = sample_token(logits[-1], sampling, generator)
-        stats.prefill_s += clock.lap()
+        drafter = drafter or self.make_drafter(p + max_new_tokens, shared)
+        if verifier is None:
+            choose = getattr(drafter, "verifier", None)
+            verifier = choose(sampling, generator) if choose else default_verifier(sampling, generator)
+        max_len = p + max_new_tokens + drafter.total_tokens + 1
+        cache = self.backend.prepare(max_len) if shared else BufferCache(self.num_layers, max_len)
+        hidden, logits = self.backend.prefill(ids, cache)
+        token = sample_token(logits[-1], sampling, generator)  # [1]
+        first, first_is_eos = torch.cat((token, torch.isin(token, eos).long())).tolist()  # host sync
+        clock.lap("prefill_s")
         stats.new_tokens = 1
-        yield token
-        if max_new_tokens == 1 or torch.isin(token, eos).any():
+        stats.wall_s += time.perf_counter() - started
+        yield torch.tensor([first])
+        started = time.perf_counter()
+        if max_new_tokens == 1 or first_is_eos:
             return
         clock.lap()
         drafter.start(ids, hidden, token)
-        stats.draft_s += clock.lap()
+        clock.lap("draft_s")
         n = p  # position of the root: the newest token, not yet seen by the target
         while True:
             tree: Tree = drafter.propose(token)
-            stats.draft_s += clock.lap()
-            hidden, logits = self._target_forward(tree.tokens, n + tree.depths, tree.ancestors, cache)
-            stats.verify_s += clock.lap()
-            if sampling.greedy:
-                path, bonus = accept_greedy(tree, logits)
-            else:
-                path, bonus = accept_sampling(tree, logits, sampling, generator)
-            emitted = torch.cat((tree.tokens[path[1:]], bonus))
-            cache.keep(n, n + path)
+            clock.lap("draft_s")
+            hidden, logits = self.backend.forward(tree.tokens, n + tree.depths, tree.ancestors, cache)
+            clock.lap("verify_s")
+            accepted = verifier.accept(tree, logits)
+            cache.keep(n, n + accepted.path)  # the accepted entries (and padding) right after the context
+            out = accepted.emitted(tree)  # [D+1]
+            count, stop = emitted_count(out, accepted.length, eos, max_new_tokens - stats.new_tokens)
+            host = torch.cat((out, torch.stack((count, accepted.length, stop)))).tolist()  # the host sync
+            count, length, stop = host[-3:]
+            cache.crop(n + count)
             if trace is not None:
-                trace.append((tree, path))
+                trace.append((tree, accepted.path[: length + 1]))
             stats.cycles += 1
-            stats.accepted_hist[len(emitted)] = stats.accepted_hist.get(len(emitted), 0) + 1
-            remaining = max_new_tokens - stats.new_tokens
-            hits = torch.isin(emitted, eos).nonzero()
-            stop = len(hits) > 0 or len(emitted) >= remaining
-            if len(hits):
-                emitted = emitted[: int(hits[0]) + 1]
-            emitted = emitted[:remaining]
-            stats.new_tokens += len(emitted)
-            stats.other_s += clock.lap()
-            yield emitted
+            stats.accepted_hist[count] = stats.accepted_hist.get(count, 0) + 1
+            stats.new_tokens += count
+            clock.lap("other_s")
+            stats.wall_s += time.perf_counter() - started
+            yield torch.tensor(host[:count])
+            started = time.perf_counter()
             if stop:
                 return
             clock.lap()  # time spent by the consumer is nobody's
-            drafter.accept(emitted, hidden[path])
-            n += len(emitted)
-            token = emitted[-1:]
-            stats.draft_s += clock.lap()
+            drafter.accept(out[:count], hidden[accepted.path[:count]])
+            n += count
+            token = out[count - 1 : count]
+            clock.lap("draft_s")
 
     def _prepare(self, inputs, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
                  max_length: int | None, seed: int | None):
-        sampling = SamplingConfig(temperature, top_p, top_k)
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        check_sampling_arguments(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                 max_length=max_length, seed=seed)
+        check_target(self.target)
+        sampling = SamplingConfig(float(temperature), float(top_p), int(top_k))
         ids = self.encode(inputs)
         if max_length is not None:
             if ids.shape[0] >= max_length:
                 raise ValueError(f"the prompt has {ids.shape[0]} tokens, which leaves no room under max_length="
                                  f"{max_length}: raise max_length or shorten the prompt")
             max_new_tokens = min(max_new_tokens, max_length - ids.shape[0])
+        window = context_window(self.target)
+        if window is not None:
+            if ids.shape[0] >= window:
+                raise ValueError(f"the prompt has {ids.shape[0]} tokens but the target's context window is {window} "
+                                 "tokens: shorten the prompt")
+            if ids.shape[0] + max_new_tokens > window:
+                log.warning("generation stops at the target's context window (%d tokens): at most %d new tokens",
+                            window, window - ids.shape[0])
+                max_new_tokens = window - ids.shape[0]
         generator = None
         if not sampling.greedy:
-            generator = torch.Generator()
+            generator = torch.Generator(device=self.device)
             if seed is None:
                 generator.seed()
             else:
-                generator.manual_seed(seed)
+                generator.manual_seed(int(seed))
         return ids, max_new_tokens, sampling, generator
 
     def generate(self, inputs, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
@@ -281,12 +409,12 @@ class SpecGenerator:
         for chunk in self._steps(ids, budget, sampling, self.eos_ids(eos_token_id), generator, stats, drafter):
             chunks.append(chunk)
             if streamer is not None:
-                streamer.put(chunk.cpu())
+                streamer.put(chunk)
         if streamer is not None:
             streamer.end()
         new = torch.cat(chunks)
         text = self.tokenizer.decode(new, skip_special_tokens=True)
-        return GenerationResult(torch.cat((ids, new))[None], stats, text)
+        return GenerationResult(torch.cat((ids, new.to(ids.device)))[None], stats, text)
 
     def stream(self, inputs, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                eos_token_id: int | Sequence[int] | None = None, max_length: int | None = None,
@@ -308,9 +436,69 @@ class SpecGenerator:
 
     def chat(self, messages: list[dict[str, str]], **kwargs) -> GenerationResult:
         """Apply the target's chat template to ``messages`` and generate the assistant's reply (``result.text``)."""
-        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-        return self.generate(messages, **kwargs)
+        return self.generate(check_messages(messages), **kwargs)
+
+
+def check_sampling_arguments(max_new_tokens, temperature, top_p, top_k, max_length, seed) -> None:
+    """Clear errors for wrongly typed or out-of-range generation arguments (NaN, strings, bools, negatives ...)."""
+
+    def integer(value) -> bool:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+    def real(value) -> bool:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+    if not integer(max_new_tokens) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if max_length is not None and (not integer(max_length) or max_length <= 0):
+        raise ValueError(f"max_length must be a positive integer or None, got {max_length!r}")
+    if not real(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not real(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if not integer(top_k) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    if seed is not None and not integer(seed):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+
+
+def context_window(model) -> int | None:
+    """The longest sequence the target was built for (``max_position_embeddings``), if its config says."""
+    window = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    return window if isinstance(window, int) and window > 0 else None
+
+
+def local_tokenizer(model: PreTrainedModel) -> PreTrainedTokenizerBase:
+    """The tokenizer of a loaded target, found on this machine from the name it was loaded under (never downloaded)."""
+    name = str(getattr(model.config, "_name_or_path", "") or "")
+    hint = "pass tokenizer= (e.g. the one load_target returned)"
+    if not name:
+        raise ValueError(f"the target model records no name to find its tokenizer by: {hint}")
+    try:
+        folder = resolve_target_path(name)
+    except FileNotFoundError:
+        folder = None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder or name, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"no tokenizer for {name!r} on this machine ({type(err).__name__}; model hubs are not "
+                         f"contacted): {hint}") from err
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def emitted_count(out: torch.Tensor, length: torch.Tensor, eos: torch.Tensor,
+                  remaining: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """How many of a cycle's tokens to emit, on the device: out [D+1] (a accepted tokens, the bonus, padding), length
+    a (0-dim) -> (count, stop) 0-dim longs: up to and including the first EOS, at most ``remaining``; stop is 1 when
+    an EOS was emitted or the budget is spent."""
+    steps = torch.arange(out.shape[0], device=out.device)
+    hit = torch.isin(out, eos) & (steps <= length)
+    first_eos = torch.where(hit, steps, out.shape[0]).min()
+    count = torch.minimum(length, first_eos).clamp(max=remaining - 1) + 1
+    stop = (first_eos < out.shape[0]) | (count == remaining)
+    return count, stop.long()
 
 
 def fast_draft_dtype(device: torch.device) -> torch.dtype | None:

@@ -42,3 +42,31 @@ def atomic_write_text(dest: str | os.PathLike, text: str) -> None:
 
 def atomic_write_json(dest: str | os.PathLike, data: Any) -> None:
     atomic_write_text(dest, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def read_json(path: str | os.PathLike, what: str = "file") -> Any:
+    """Parse a JSON file; invalid JSON raises ValueError naming the file and the place."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}): fix or "
+                         f"replace this {what}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a text file: fix or replace this {what}") from None
+
+
+def open_safetensors(path: str | os.PathLike):
+    """``safe_open`` a safetensors file; a truncated or corrupted file raises ValueError naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as err:
+        raise ValueError(f"{path} is truncated or corrupted ({err})") from None
+
+
+def load_safetensors(path: str | os.PathLike) -> dict:
+    """Every tensor of a safetensors file (see :func:`open_safetensors` for the errors)."""
+    with open_safetensors(path) as handle:
+        return {key: handle.get_tensor(key) for key in handle.keys()}

@@ -21,7 +21,9 @@ DEFAULT_MAX_ROWS = 8  # engine.md: at 8 rows weight-major still wins (1.24x agai
 
 
 ONE_ROW_KERNELS = ("linear", "weight-major", "pad")
-ONE_ROW_DEFAULTS = {torch.float32: "linear", torch.bfloat16: "linear"}  # set from plain-kernel.md below
+# The fastest one-row kernel per dtype on the CPU measured (benchmarks/results/plain-kernel.md, one thread, CPU time per
+# decode step): fp32 pads to two rows (1.10x F.linear); in bf16, weight-major and F.linear are within 1 % of each other.
+ONE_ROW_DEFAULTS = {torch.float32: "pad", torch.bfloat16: "weight-major"}
 
 
 def _weight_major_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

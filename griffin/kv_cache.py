@@ -1,8 +1,10 @@
-"""Preallocated KV caches: one buffer per layer, written in place, never reallocated while generating.
+"""Preallocated KV caches, written in place, never reallocated while generating.
 
-:class:`BufferCache` plugs into any HF causal LM as ``past_key_values``; after a verification pass it keeps the
-accepted path's entries by copying them down to the end of the context (:meth:`BufferCache.keep`).
-:class:`DraftCache` is the same idea for the one-layer draft head.
+:class:`BufferCache` plugs into any HF causal LM as ``past_key_values``. All layers' keys and values live in one
+[L, 2, B, nkv, max_len, D] buffer (a layer whose shapes differ from the others gets its own), so that keeping the
+accepted path's entries after a verification pass is one index copy (:meth:`BufferCache.keep`). The buffer is kept
+for the next generation when it is large enough (:meth:`BufferCache.prepare`). :class:`DraftCache` is the same idea
+for the one-layer draft head.
 """
 
 from __future__ import annotations
@@ -12,29 +14,31 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 
 class BufferLayer(DynamicLayer):
-    """One layer's keys and values in [B, nkv, max_len, D] buffers; ``length`` entries are valid."""
+    """One layer's keys and values: [B, nkv, max_len, D] views into its cache's buffer; ``length`` entries are valid."""
 
     is_croppable = True
 
-    def __init__(self, max_len: int):
+    def __init__(self, cache: BufferCache, index: int):
         super().__init__()
-        self.max_len = max_len
+        self.cache, self.index = cache, index
         self.length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        b, h, _, dk = key_states.shape
-        self.keys = torch.empty(b, h, self.max_len, dk, dtype=key_states.dtype, device=key_states.device)
-        self.values = torch.empty(b, h, self.max_len, value_states.shape[-1], dtype=value_states.dtype,
-                                  device=value_states.device)
+        self.keys, self.values = self.cache.storage(self.index, key_states, value_states)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.cache.static:  # write at the device-side offset, attend over the whole buffer (the mask hides the rest)
+            index = self.cache.offset + torch.arange(key_states.shape[-2], device=self.keys.device)
+            self.keys.index_copy_(2, index, key_states)
+            self.values.index_copy_(2, index, value_states)
+            return self.keys, self.values
         start, end = self.length, self.length + key_states.shape[-2]
-        if end > self.max_len:
-            raise RuntimeError(f"KV cache full ({end} > {self.max_len} positions)")
+        if end > self.keys.shape[-2]:
+            raise RuntimeError(f"KV cache full ({end} > {self.keys.shape[-2]} positions)")
         self.keys[:, :, start:end] = key_states
         self.values[:, :, start:end] = value_states
         self.length = end
@@ -44,17 +48,10 @@ class BufferLayer(DynamicLayer):
         return self.length
 
     def get_max_length(self) -> int:
-        return self.max_len
+        return self.cache.max_len
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, length) if length >= 0 else max(self.length + length, 0)
-
-    def keep(self, start: int, index: torch.Tensor) -> None:
-        """Move entries ``index`` (absolute positions, ascending, all >= start) to ``start..``; drop the rest."""
-        if self.is_initialized:
-            self.keys[:, :, start : start + len(index)] = self.keys[:, :, index]
-            self.values[:, :, start : start + len(index)] = self.values[:, :, index]
-        self.length = start + len(index)
 
     def reset(self) -> None:
         self.length = 0
@@ -64,16 +61,57 @@ class BufferCache(Cache):
     """A target KV cache of ``num_layers`` preallocated layers, usable as HF ``past_key_values``."""
 
     def __init__(self, num_layers: int, max_len: int):
-        super().__init__(layers=[BufferLayer(max_len) for _ in range(num_layers)])
+        super().__init__(layers=[BufferLayer(self, i) for i in range(num_layers)])
         self.max_len = max_len
+        self.buffers: list[torch.Tensor] = []  # position axis -2; buffers[0]: the one shared by equal layers
+        # static mode (compiled verification): updates write at `offset`, a 0-dim device tensor, and return the whole
+        # buffer, so that every pass has the same shapes and addresses; the host-side lengths are kept by the caller
+        self.static = False
+        self.offset: torch.Tensor | None = None
+
+    def storage(self, index: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index``'s [B, nkv, max_len, D] key and value views, allocated on the first update."""
+        shape = (*key.shape[:-2], self.max_len, key.shape[-1])
+        same = value.shape[:-2] == key.shape[:-2] and value.shape[-1] == key.shape[-1]
+        if not self.buffers and same:
+            self.buffers.append(torch.empty(len(self.layers), 2, *shape, dtype=key.dtype, device=key.device))
+        shared = self.buffers[0] if self.buffers else None
+        if (shared is not None and same and shared.shape[2:] == shape and shared.dtype == key.dtype
+                and shared.device == key.device):
+            return shared[index, 0], shared[index, 1]
+        keys = torch.empty(shape, dtype=key.dtype, device=key.device)
+        values = torch.empty((*value.shape[:-2], self.max_len, value.shape[-1]), dtype=value.dtype, device=key.device)
+        self.buffers += [keys, values]
+        return keys, values
+
+    def advance(self, n: int) -> None:
+        """Count ``n`` entries written in static mode."""
+        for layer in self.layers:
+            layer.length += n
+
+    def prepare(self, max_len: int) -> None:
+        """Empty the cache for a new sequence of up to ``max_len`` positions, keeping the buffers if they fit."""
+        if max_len > self.max_len:
+            self.max_len = max_len
+            self.buffers = []
+            for layer in self.layers:
+                layer.keys = layer.values = None
+                layer.is_initialized = False
+        for layer in self.layers:
+            layer.length = 0
 
     @property
     def length(self) -> int:
         return self.layers[0].length
 
     def keep(self, start: int, index: torch.Tensor) -> None:
+        """Move entries ``index`` [m] (absolute positions, each >= start) to ``start..start+m``; the cache then ends
+        there. One index copy per buffer (one in all for most models); nothing waits for the device."""
+        m = index.shape[0]
+        for buf in self.buffers:
+            buf[..., start : start + m, :] = buf[..., index, :]
         for layer in self.layers:
-            layer.keep(start, index)
+            layer.length = start + m
 
     def crop(self, length: int) -> None:
         for layer in self.layers:

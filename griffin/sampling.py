@@ -1,4 +1,4 @@
-"""The target's next-token distribution and the acceptance rules that keep speculative decoding exact.
+"""The target's next-token distribution: warping as transformers does, and sampling on the device.
 
 ``warp`` applies temperature, then top-k, then top-p exactly as transformers' ``generate`` does, so sampling here has
 the same distribution as ``generate(do_sample=True, ...)``.
@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from .tree import Tree
 
 
 @dataclass(frozen=True)
@@ -47,50 +45,23 @@ def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return scores.softmax(dim=-1)
 
 
-def accept_greedy(tree: Tree, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The longest tree path whose every token is the target's argmax after its parent.
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token from each row of probs [.., V] (not necessarily normalised) -> [..], without a host sync.
 
-    logits [N+1, V] of the root and the N nodes -> (path: node indices from the root [a+1], bonus token [1]).
+    Inverse-CDF sampling with one uniform u in (0, 1] per row: the first token whose cumulative probability reaches
+    u * total. The cumulative sums are float64, so a token's share is its probability up to float64 rounding; tokens of
+    probability 0 are never drawn. The uniforms come from ``generator``'s device: a seeded generator gives the same
+    tokens on every run on that device.
     """
-    best = logits.argmax(dim=-1)  # [N+1] target's choice after each node
-    correct = tree.tokens == best[tree.parents]  # [N+1]; the root's own entry is meaningless
-    correct[0] = True
-    fully = ~(tree.ancestors & ~correct[None, :]).any(dim=1)  # every node on the way from the root is correct
-    deepest = torch.where(fully, tree.depths, -1).argmax()
-    path = tree.ancestors[deepest].nonzero().squeeze(1)  # node ids ascend with depth
-    return path, best[deepest].view(1)
-
-
-def accept_sampling(tree: Tree, logits: torch.Tensor, cfg: SamplingConfig,
-                    generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Walk the tree: at a node with target distribution p, try its children in draft order; accept child c with
-    probability p(c), else zero p(c) and renormalise; when no child is accepted, sample the bonus from what is left.
-    Draft tokens are deterministic proposals (q = delta), so the output has exactly the target's distribution."""
-    probs = warp(logits, cfg).cpu()  # [N+1, V]
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-    children: list[list[int]] = [[] for _ in tokens]
-    for node in tree.draft_order.tolist():  # best draft score first
-        if node:
-            children[parents[node]].append(node)
-    node, path = 0, [0]
-    while True:
-        p = probs[node]
-        for child in children[node]:
-            token = tokens[child]
-            if torch.rand((), generator=generator).item() * p.sum().item() < p[token].item():
-                node = child
-                path.append(child)
-                break
-            p = p.clone()
-            p[token] = 0.0
-        else:
-            bonus = torch.multinomial(p / p.sum(), 1, generator=generator)
-            return torch.tensor(path, device=tree.tokens.device), bonus.to(tree.tokens.device)
+    exact = torch.float32 if probs.device.type == "mps" else torch.float64
+    cdf = probs.to(exact).cumsum(dim=-1)  # [.., V]
+    device = generator.device if generator is not None else probs.device
+    u = 1 - torch.rand((*probs.shape[:-1], 1), dtype=exact, device=device, generator=generator)  # (0, 1]
+    return torch.searchsorted(cdf, u.to(probs.device) * cdf[..., -1:]).squeeze(-1)
 
 
 def sample_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    """One token from logits [V] (argmax when greedy) -> [1]."""
+    """One token from logits [V] (argmax when greedy) -> [1], on the logits' device."""
     if cfg.greedy:
         return logits.argmax(dim=-1, keepdim=True)
-    probs = warp(logits, cfg).cpu()
-    return torch.multinomial(probs, 1, generator=generator).to(logits.device)
+    return sample(warp(logits, cfg), generator).view(1)

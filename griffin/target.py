@@ -49,11 +49,13 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 @contextmanager
-def file_lock(path: Path):
-    """An exclusive advisory lock held for the duration of the block (serialises concurrent first use)."""
+def file_lock(path: Path, wait: bool = True):
+    """An exclusive advisory lock held for the duration of the block (serialises concurrent first use).
+
+    ``wait=False``: raise BlockingIOError at once if another process holds it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        fcntl.flock(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         try:
             yield
         finally:
@@ -134,14 +136,22 @@ def load_target(
     """Load a frozen causal LM and its tokenizer in eval mode.
 
     ``dtype`` defaults to fp32 on CPU and bf16 on CUDA. ``attn_implementation`` may be ``"flash_attention_2"`` for
-    feature building on CUDA; speculative decoding needs custom 4D masks and uses ``"sdpa"``.
+    feature building on CUDA; speculative decoding needs custom 4D masks and uses ``"sdpa"`` (``"eager"`` for
+    families without sdpa support, such as Gemma-2).
     """
     path = resolve_target_path(name_or_path)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        )
+    except ValueError as err:
+        if attn_implementation != "sdpa" or "scaled_dot_product_attention" not in str(err):
+            raise
+        log.info("%s does not support sdpa attention: loading it with eager attention", path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager",
+                                                     trust_remote_code=trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     model.to(device).eval().requires_grad_(False)
     model.config._name_or_path = str(name_or_path)  # recorded by draft heads as the target they were built for

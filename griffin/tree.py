@@ -1,8 +1,13 @@
-"""EAGLE-2's dynamic draft tree: expand the ``top_k`` best nodes per level, then keep the ``total_tokens`` best overall.
+"""Proposals: the token tree a drafter hands to the target each cycle, and EAGLE-2's dynamic draft tree.
 
-Node 0 is the root (the last token not yet seen by the target); nodes 1..N are drafted tokens, numbered so that a
-parent always precedes its children. Scores are cumulative draft log-probabilities, which never rise along a path, so
-the best N nodes (ties broken towards shallower nodes) include every ancestor of each node they include.
+A :class:`Tree` is the one proposal type (a chain is a tree whose every node has one child). Node 0 is the root (the
+last token not yet seen by the target); nodes 1..N are drafted tokens, numbered so that a parent always precedes its
+children. Every proposal of a drafter has the same static size ``N + 1`` (the drafter's ``total_tokens + 1``):
+drafters that have fewer candidates pad with nodes that are masked out (``valid`` False), attend to the context only,
+and are never accepted. ``max_depth`` is a static bound on node depths, so the accepted path has a static shape too.
+
+In EAGLE-2's tree scores are cumulative draft log-probabilities, which never rise along a path, so the best N nodes
+(ties broken towards shallower nodes) include every ancestor of each node they include.
 """
 
 from __future__ import annotations
@@ -20,10 +25,13 @@ from .vocab import DraftVocab
 @dataclass
 class Tree:
     tokens: torch.Tensor  # [N+1] target token ids, root first
-    parents: torch.Tensor  # [N+1] parent node of each node (the root is its own parent)
+    parents: torch.Tensor  # [N+1] parent node of each node (the root and padding nodes: 0)
     depths: torch.Tensor  # [N+1] 0 for the root
     ancestors: torch.Tensor  # [N+1, N+1] bool, ancestors[i, j]: j is i or an ancestor of i
-    draft_order: torch.Tensor  # [N+1] nodes by descending draft score (root first)
+    draft_order: torch.Tensor  # [N+1] nodes by descending draft score (root first, padding last)
+    max_depth: int  # static bound on ``depths`` (the drafter's depth)
+    valid: torch.Tensor | None = None  # [N+1] bool, False for padding nodes; None: every node is real
+    q: torch.Tensor | None = None  # [N+1, V] draft distribution each node's children were sampled from (p/q rules)
 
     def ranks(self) -> torch.Tensor:
         """[N+1] each node's position in ``draft_order`` (the root is 0)."""
@@ -37,26 +45,62 @@ class Tree:
 
 
 def build_tree(root: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor,
-               levels: torch.Tensor, total_tokens: int) -> Tree:
-    """Keep the ``total_tokens`` best candidates and index them as a tree.
+               levels: torch.Tensor, total_tokens: int, max_depth: int | None = None) -> Tree:
+    """Keep the ``total_tokens`` best candidates and index them as a tree of exactly ``total_tokens + 1`` nodes.
 
     root [1] target id; tokens / scores / parents / levels [M] over all drafted candidates (parents are candidate
-    indices, -1 for children of the root; candidates are ordered by level).
+    indices, -1 for children of the root; candidates are ordered by level). With M < ``total_tokens`` the tree is
+    padded. ``max_depth``: the deepest level (default: read from ``levels``, which costs a host sync).
     """
+    device = scores.device
+    if max_depth is None:
+        max_depth = int(levels.max())
+    m = scores.shape[0]
+    if m < total_tokens:  # pad with candidates that score -inf, hang from the root and are never valid
+        pad = total_tokens - m
+        tokens = torch.cat((tokens, tokens.new_zeros(pad)))
+        scores = torch.cat((scores, scores.new_full((pad,), float("-inf"))))
+        parents = torch.cat((parents, parents.new_full((pad,), -1)))
+        levels = torch.cat((levels, levels.new_ones(pad)))
+    real = torch.arange(tokens.shape[0], device=device) < m
     order = torch.sort(scores, descending=True, stable=True).indices[:total_tokens]
     keep = order.sort().values  # ascending candidate index: parents before children
     n = keep.shape[0]
-    local = torch.full((scores.shape[0] + 1,), 0, dtype=torch.long, device=scores.device)
-    local[keep] = torch.arange(1, n + 1, device=scores.device)
-    node_parents = torch.cat((torch.zeros(1, dtype=torch.long, device=keep.device), local[parents[keep]]))
+    local = torch.zeros(tokens.shape[0] + 1, dtype=torch.long, device=device)
+    local[keep] = torch.arange(1, n + 1, device=device)
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    node_parents = torch.cat((zero, local[parents[keep]]))
     # parents[keep] is -1 for level-1 nodes, which indexes the extra last slot of `local` (0 = the root)
-    depths = torch.cat((torch.zeros(1, dtype=torch.long, device=keep.device), levels[keep]))
-    ancestors = torch.eye(n + 1, dtype=torch.bool, device=keep.device)
-    for _ in range(int(levels.max())):
+    depths = torch.cat((zero, levels[keep]))
+    valid = torch.cat((torch.ones(1, dtype=torch.bool, device=device), real[keep]))
+    ancestors = torch.eye(n + 1, dtype=torch.bool, device=device)
+    for _ in range(max_depth):
         ancestors = ancestors | ancestors[node_parents]
     rank = torch.sort(scores[keep], descending=True, stable=True).indices + 1
-    draft_order = torch.cat((torch.zeros(1, dtype=torch.long, device=keep.device), rank))
-    return Tree(torch.cat((root, tokens[keep])), node_parents, depths, ancestors, draft_order)
+    draft_order = torch.cat((zero, rank))
+    return Tree(torch.cat((root, tokens[keep])), node_parents, depths, ancestors, draft_order, max_depth,
+                valid if m < total_tokens else None)
+
+
+def chain(root: torch.Tensor, tokens: torch.Tensor, size: int | None = None, q: torch.Tensor | None = None) -> Tree:
+    """A chain proposal: root [1], then ``tokens`` [n] each the child of the previous one, padded to ``size`` drafted
+    nodes (default n). ``q`` [n+1, V] (optional): row i is the draft distribution token i+1 was sampled from."""
+    device = root.device
+    n = tokens.shape[0]
+    size = n if size is None else size
+    if size < n:
+        raise ValueError(f"a chain of {n} tokens does not fit in {size} nodes")
+    idx = torch.arange(size + 1, device=device)
+    real = idx <= n
+    pad = size - n
+    all_tokens = torch.cat((root, tokens, tokens.new_zeros(pad)))
+    parents = torch.where(real, (idx - 1).clamp(min=0), 0)
+    depths = torch.where(real, idx, 1)
+    ancestors = (idx[None, :] <= idx[:, None]) & real[:, None] & real[None, :]
+    ancestors |= torch.eye(size + 1, dtype=torch.bool, device=device)
+    if q is not None and pad:
+        q = torch.cat((q, q.new_zeros(pad, q.shape[1])))
+    return Tree(all_tokens, parents, depths, ancestors, idx, size, real if pad else None, q)
 
 
 @torch.inference_mode()
@@ -65,10 +109,11 @@ def draft_tree(draft: DraftModel, vocab: DraftVocab, cache: DraftCache, root: to
     """Grow a tree below ``root`` from the head's output at the last context position (``last``: [1, 1, H]).
 
     The draft cache holds the context (positions 0..ctx-1); expanded nodes are appended to it and cropped at the end.
+    Nothing here waits for the device.
     """
     ctx = cache.length
     device = root.device
-    logp = F.log_softmax(vocab.logits(last.predict[0, -1]).float(), dim=-1)  # [V]
+    logp = F.log_softmax(vocab.logits(last.predict[0, -1]).float(), dim=-1)  # [V_d]
     scores, ids = logp.topk(top_k)  # [k]
     all_ids, all_scores = [ids], [scores]
     all_parents = [torch.full((top_k,), -1, dtype=torch.long, device=device)]
@@ -76,17 +121,18 @@ def draft_tree(draft: DraftModel, vocab: DraftVocab, cache: DraftCache, root: to
     frontier = torch.arange(top_k, device=device)  # candidate index of each frontier node
     features = last.regress[:, -1:].expand(1, top_k, -1)  # [1, k, H]
     ancestry = torch.eye(top_k, dtype=torch.bool, device=device)  # [k, k*(level)] over appended frontier entries
+    context = torch.ones(top_k, ctx, dtype=torch.bool, device=device)
     offset = top_k
     for level in range(1, depth):
         position = torch.full((1, top_k), ctx + level - 1, dtype=torch.long, device=device)
-        mask = torch.cat((torch.ones(top_k, ctx, dtype=torch.bool, device=device), ancestry), dim=1)[None, None]
+        mask = torch.cat((context, ancestry), dim=1)[None, None]
         out = draft(vocab.to_target_ids(ids)[None], features, position, mask, cache=cache)
-        child_logp = F.log_softmax(vocab.logits(out.predict[0]).float(), dim=-1)  # [k, V]
+        child_logp = F.log_softmax(vocab.logits(out.predict[0]).float(), dim=-1)  # [k, V_d]
         child_scores, child_ids = child_logp.topk(top_k, dim=-1)  # [k, k]
         flat = (scores[:, None] + child_scores).flatten()  # [k*k]
         all_ids.append(child_ids.flatten())
         all_scores.append(flat)
-        all_parents.append(frontier.repeat_interleave(top_k))
+        all_parents.append(frontier[:, None].expand(top_k, top_k).flatten())
         all_levels.append(torch.full((top_k * top_k,), level + 1, dtype=torch.long, device=device))
         if level == depth - 1:
             break
@@ -100,4 +146,4 @@ def draft_tree(draft: DraftModel, vocab: DraftVocab, cache: DraftCache, root: to
     cache.length = ctx
     tokens = vocab.to_target_ids(torch.cat(all_ids))
     return build_tree(root, tokens, torch.cat(all_scores), torch.cat(all_parents), torch.cat(all_levels),
-                      total_tokens)
+                      total_tokens, max_depth=depth)

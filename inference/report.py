@@ -49,6 +49,8 @@ def tree_text(tree: dict) -> str:
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     def cell(value) -> str:
+        if value is None:
+            return "n/a"  # not measured
         if isinstance(value, float):
             return f"{value:.2f}"
         return str(value)

@@ -14,6 +14,14 @@ import pytest
 import torch
 from transformers import (
     AutoTokenizer,
+    CohereConfig,
+    CohereForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -36,16 +44,22 @@ def _threads(request):
     yield
 
 
-def tiny_model(family: str = "llama", vocab_size: int = 128, seed: int = 0, hidden: int = 64, layers: int = 2):
-    """A random-weight causal LM with GQA (4 query heads, 2 KV heads)."""
+FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+            "mistral": (MistralConfig, MistralForCausalLM), "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+            "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM), "granite": (GraniteConfig, GraniteForCausalLM),
+            "cohere": (CohereConfig, CohereForCausalLM)}
+
+
+def tiny_model(family: str = "llama", vocab_size: int = 128, seed: int = 0, hidden: int = 64, layers: int = 2,
+               **config):
+    """A random-weight causal LM with GQA (4 query heads, 2 KV heads); ``config`` overrides its config fields."""
     common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=512,
                   tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                             "mistral": (MistralConfig, MistralForCausalLM)}[family]
+    config_cls, model_cls = FAMILIES[family]
     torch.manual_seed(seed)
-    config = config_cls(**common)
-    config._attn_implementation = "sdpa"
+    config = config_cls(**(common | config))
+    config._attn_implementation = "sdpa" if model_cls._supports_sdpa else "eager"  # Gemma-2: eager only
     model = model_cls(config).eval().requires_grad_(False)
     # larger logits make greedy choices clear and sampling distributions non-uniform
     with torch.no_grad():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -180,3 +181,51 @@ def test_official_layout_errors_name_the_keys(tmp_path):
     state["fusion.fc.weight"] = torch.zeros(8, 17)
     with pytest.raises(ValueError, match=r"shape mismatches.*fusion.fc.weight: checkpoint \(8, 17\)"):
         check_state_dict(model, state, "x")
+
+
+@pytest.mark.parametrize("arch", ["griffin", "eagle"])
+def test_official_export_round_trips_through_the_official_loader(tmp_path, arch):
+    from safetensors.torch import load_file
+
+    from training import export
+
+    target = tiny_model(vocab_size=64, hidden=64)
+    target.save_pretrained(tmp_path / "target")
+    torch.manual_seed(3)
+    head = DraftModel(DraftConfig.from_target(target.config, arch=arch, draft_vocab_size=40))
+    head.draft_vocab.copy_(torch.randperm(64)[:40].sort().values)
+    with torch.no_grad():  # norms away from 1, so that a swapped norm would show
+        for p in head.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    head.save_pretrained(tmp_path / "head")
+    run = {"arch": arch, "steps": 1, "topk": 3, "lr": 1e-3, "total_updates": 1, "global_batch": 1, "features": "f",
+           "mixed_precision": "no", "train_conversations": 1, "val_conversations": 1, "noise": 0.2, "init_from": None}
+    passes = [{"pass": 1, "loss": 1.0, "top1": 0.5, "top3": 0.7, "kept": 1.0, "positions": 10}]
+    (tmp_path / "head" / "validation.json").write_text(json.dumps({"run": run, "epochs": [
+        {"epoch": 0, "updates": 1, "tokens": 10, "train_seconds": 1.0, "passes": passes}]}))
+    ids, feats, pos = torch.randint(0, 64, (1, 7)), torch.randn(1, 7, 64), torch.arange(7)[None]
+    for dtype in ("fp32", "fp16"):
+        dst = tmp_path / f"official-{dtype}"
+        assert export.main([str(tmp_path / "head"), str(dst), "--format", "official", "--target",
+                            str(tmp_path / "target"), "--dtype", dtype, "--results", str(tmp_path)]) == 0
+        config = json.loads((dst / "config.json").read_text())
+        assert "arch" not in config and config["num_hidden_layers"] == 1 and config["bias"] is True
+        state = load_file(str(dst / "model.safetensors"))
+        keys = GRIFFIN_KEYS if arch == "griffin" else EAGLE_KEYS
+        assert set(state) == set(keys) - {k for k in keys if k.endswith(".bias") and "self_attn" in k} | {
+            "embed_tokens.weight"}
+        assert torch.equal(state["embed_tokens.weight"].float(),
+                           target.get_input_embeddings().weight.to(state["embed_tokens.weight"].dtype).float())
+        loaded = DraftModel.from_pretrained(dst).attach(target)
+        assert loaded.config.arch == arch and loaded.config.draft_vocab_size == 0  # expanded to the full vocabulary
+        want = copy.deepcopy(head)
+        if dtype == "fp16":
+            want = want.half().float()
+        want.attach(target)
+        got, ref = loaded(ids, feats, pos), want(ids, feats, pos)
+        torch.testing.assert_close(got.predict, ref.predict, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got.regress, ref.regress, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(loaded.logits(got.predict)[..., head.draft_vocab], want.logits(ref.predict))
+        card = (dst / "README.md").read_text()
+        assert "official" in card and "expanded to the target's full lm_head (64 tokens)" in card

@@ -148,7 +148,7 @@ def test_bad_input_gives_clear_errors_or_counted_skips(tmp_path, tiny_target_dir
     assert code == 2 and "raise --max-len" in err
 
     code, err = run_main("training.build_features", *target, "--out", str(tmp_path / "e"), "--max-len", "0")
-    assert code == 2 and "--max-len must be at least 1" in err
+    assert code == 2 and "argument --max-len: must be an integer >= 1" in err
 
 
 def test_two_processes_build_the_same_store(tmp_path, tiny_target_dir):

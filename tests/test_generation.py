@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -70,28 +71,57 @@ def test_oracle_paths_are_accepted_whole_on_embedded_target(smol_generator, embe
     assert ours.stats.tau > 5  # 7 tokens per cycle except where EOS or the budget cuts
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
-def test_greedy_identical_on_tiny_targets_over_tree_shapes(family):
-    target = tiny_model(family, vocab_size=96)
+def greedy_difference(target, ours: torch.Tensor, ref: torch.Tensor) -> str | None:
+    """None when ours == ref ([1, T] each), else where they first differ and the target's top-2 logit margin there in
+    rounding steps of its dtype (a step or two: two forwards of different shapes rounded a near-tie differently)."""
+    if torch.equal(ours, ref):
+        return None
+    n = min(ours.shape[1], ref.shape[1])
+    differ = (ours[0, :n] != ref[0, :n]).nonzero()
+    at = int(differ[0]) if len(differ) else n
+    with torch.no_grad():
+        top = target(ref[:, :at]).logits[0, -1].float().topk(2).values
+    step = torch.finfo(target.dtype).eps * 2.0 ** torch.floor(torch.log2(top[0].abs().clamp(min=1e-30)))
+    margin = float(top[0] - top[1])
+    return (f"differs from generate at position {at} (ours {ours[0, at:at + 1].tolist()}, generate "
+            f"{ref[0, at:at + 1].tolist()}); top-2 logit margin there {margin:.4g} = {margin / float(step):.1f} "
+            f"rounding steps of {target.dtype}")
+
+
+def check_greedy_identity(family: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    """Untrained heads (both archs) and oracle trees over SHAPES give exactly transformers' greedy tokens. Every
+    generation is checked; a failure lists each one that differs."""
+    target = tiny_model(family, vocab_size=96).to(device=device, dtype=dtype)
+    failures, runs = [], 0
     for (depth, top_k, total), arch in itertools.product(SHAPES, ["griffin", "eagle"]):
         gen = SpecGenerator(target, NoTokenizer(), untrained_head(target, arch), depth=depth, top_k=top_k,
-                            total_tokens=total)
+                            total_tokens=total, draft_dtype=dtype)
         for seed in range(2):
-            prompt = torch.randint(0, 96, (5 + seed,), generator=torch.Generator().manual_seed(seed))
+            prompt = torch.randint(0, 96, (5 + seed,), generator=torch.Generator().manual_seed(seed)).to(device)
             ref = target.generate(prompt[None], max_new_tokens=25, do_sample=False)
-            assert torch.equal(gen.generate(prompt, max_new_tokens=25).sequences, ref)
             oracle = OracleDrafter(ref[0, len(prompt):].tolist(), depth=depth, top_k=top_k, total_tokens=total,
                                    mode="tree", vocab_size=96)
-            out = gen.generate(prompt, max_new_tokens=25, drafter=oracle)
-            assert torch.equal(out.sequences, ref)
-            if depth > 1:
-                assert max(out.stats.accepted_hist) == depth + 1
+            for name, drafter in (("head", None), ("oracle", oracle)):
+                out = gen.generate(prompt, max_new_tokens=25, drafter=drafter)
+                runs += 1
+                problem = greedy_difference(target, out.sequences, ref)
+                if problem:
+                    failures.append(f"{arch} {name}, tree {(depth, top_k, total)}, seed {seed}: {problem}")
+                elif name == "oracle" and depth > 1:
+                    assert max(out.stats.accepted_hist) == depth + 1
+    assert not failures, f"{family} at {dtype}: {len(failures)} of {runs} generations differ:\n" + "\n".join(failures)
 
 
-def test_eos_inside_an_accepted_path_and_the_budget_boundary():
-    target = tiny_model("llama", vocab_size=96, seed=3)
-    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=5, top_k=3, total_tokens=15)
-    prompt = torch.tensor([5, 17, 33, 2])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_greedy_identical_on_tiny_targets_over_tree_shapes(family):
+    check_greedy_identity(family)
+
+
+def check_eos_and_budget(device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    target = tiny_model("llama", vocab_size=96, seed=3).to(device=device, dtype=dtype)
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=5, top_k=3, total_tokens=15,
+                        draft_dtype=dtype)
+    prompt = torch.tensor([5, 17, 33, 2], device=device)
     full = target.generate(prompt[None], max_new_tokens=40, do_sample=False)[0, 4:].tolist()
     # an EOS that first appears mid-way: generation must stop right after it, inside a 6-token accepted path
     first_seen = {}
@@ -111,6 +141,10 @@ def test_eos_inside_an_accepted_path_and_the_budget_boundary():
     assert gen.generate(prompt, max_new_tokens=50, max_length=12).sequences.shape[1] == 12
 
 
+def test_eos_inside_an_accepted_path_and_the_budget_boundary():
+    check_eos_and_budget()
+
+
 def exact_first_three(target, prompt: torch.Tensor, cfg: SamplingConfig) -> dict[tuple, float]:
     vocab = target.config.vocab_size
     probs: dict[tuple, float] = {}
@@ -119,27 +153,29 @@ def exact_first_three(target, prompt: torch.Tensor, cfg: SamplingConfig) -> dict
         for a in range(vocab):
             if p1[a] == 0:
                 continue
-            seq_a = torch.cat((prompt, torch.tensor([a])))
+            seq_a = torch.cat((prompt, torch.tensor([a], device=prompt.device)))
             p2 = warp(target(seq_a[None]).logits[0, -1], cfg)
             for b in range(vocab):
                 if p2[b] == 0:
                     continue
-                p3 = warp(target(torch.cat((seq_a, torch.tensor([b])))[None]).logits[0, -1], cfg)
+                p3 = warp(target(torch.cat((seq_a, torch.tensor([b], device=prompt.device)))[None]).logits[0, -1], cfg)
                 for c in range(vocab):
                     probs[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
     return probs
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (1.0, 0.9)])
-def test_sampling_matches_the_target_distribution(temperature, top_p):
+def check_sampling_distribution(temperature: float, top_p: float, device: str = "cpu",
+                                dtype: torch.dtype = torch.float32, runs: int = 10_000) -> None:
+    """Chi-square test of the first three sampled tokens against the target's exact distribution (vocabulary of 5)."""
     target = tiny_model("llama", vocab_size=5, hidden=16, layers=1, seed=11)
     with torch.no_grad():
         target.lm_head.weight.mul_(0.25)  # a spread-out distribution
-    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target, "eagle"), depth=3, top_k=3, total_tokens=8)
-    prompt = torch.tensor([1, 3, 0])
+    target.to(device=device, dtype=dtype)
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target, "eagle"), depth=3, top_k=3, total_tokens=8,
+                        draft_dtype=dtype)
+    prompt = torch.tensor([1, 3, 0], device=device)
     cfg = SamplingConfig(temperature=temperature, top_p=top_p)
     exact = exact_first_three(target, prompt, cfg)
-    runs = 10_000
     counts: dict[tuple, int] = {}
     accepted_drafts = 0
     for seed in range(runs):
@@ -168,6 +204,11 @@ def test_sampling_matches_the_target_distribution(temperature, top_p):
     assert accepted_drafts > runs // 10  # drafted tokens were really accepted, not only bonus tokens
 
 
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (1.0, 0.9)])
+def test_sampling_matches_the_target_distribution(temperature, top_p):
+    check_sampling_distribution(temperature, top_p)
+
+
 def test_generation_is_reproducible_with_a_seed():
     target = tiny_model("qwen2", vocab_size=50)
     gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=3, top_k=4, total_tokens=10)
@@ -179,7 +220,9 @@ def test_generation_is_reproducible_with_a_seed():
 def test_stream_and_streamers(smol_generator, capsys):
     smol_generator.depth, smol_generator.top_k, smol_generator.total_tokens = 4, 4, 12
     messages = [{"role": "user", "content": "Say hello."}]
+    smol_generator.timing = True
     result = smol_generator.chat(messages, max_new_tokens=12)
+    smol_generator.timing = False
     pieces = list(smol_generator.stream(messages, max_new_tokens=12))
     assert len(pieces) > 1 and "".join(pieces) == result.text
     smol_generator.generate(messages, max_new_tokens=12,
@@ -189,28 +232,95 @@ def test_stream_and_streamers(smol_generator, capsys):
     assert stats.new_tokens == sum(k * v for k, v in stats.accepted_hist.items()) + 1  # +1: the prefill's token
     assert stats.tau == stats.new_tokens / stats.cycles
     assert stats.wall_s > 0 and stats.verify_s > 0 and stats.draft_s > 0
+    assert stats.draft_s + stats.verify_s + stats.other_s + stats.prefill_s <= stats.wall_s * 1.01
+    untimed = smol_generator.chat(messages, max_new_tokens=12).stats
+    assert untimed.wall_s > 0 and untimed.draft_s == untimed.verify_s == 0  # no clock on the loop without timing
 
 
-def test_bad_input_raises_value_errors_naming_the_fix():
-    target = tiny_model("llama", vocab_size=50)
-    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target))
-    cases = [
-        (dict(inputs=[]), "prompt is empty"),
-        (dict(inputs=[1, 2, 3], max_length=3), "raise max_length"),
-        (dict(inputs=[1], max_new_tokens=0), "max_new_tokens must be a positive integer"),
-        (dict(inputs=[1], temperature=-1.0), "temperature must be >= 0"),
-        (dict(inputs=[1], temperature=1.0, top_p=0.0), "top_p must be in"),
-        (dict(inputs=[1], temperature=1.0, top_p=1.5), "top_p must be in"),
-        (dict(inputs=[1], temperature=1.0, top_k=-2), "top_k must be >= 0"),
-    ]
-    for kwargs, message in cases:
-        with pytest.raises(ValueError, match=message):
-            gen.generate(**kwargs)
+BAD_CALLS = [  # (generate keyword arguments, the error's words); each is one kind of bad input
+    (dict(inputs=[]), "prompt is empty"),
+    (dict(inputs=[1, 2, 3], max_length=3), "raise max_length"),
+    (dict(inputs=[1], max_length=0), "max_length must be a positive integer"),
+    *[(dict(inputs=[1], max_new_tokens=v), "max_new_tokens must be a positive integer") for v in (0, -3, 1.5, True,
+                                                                                                 "10", None)],
+    *[(dict(inputs=[1], temperature=v), "temperature must be a finite number >= 0") for v in (-1.0, float("nan"),
+                                                                                             float("inf"), "0.7",
+                                                                                             None, True)],
+    *[(dict(inputs=[1], temperature=1.0, top_p=v), r"top_p must be a number in \(0, 1\]") for v in (0.0, 1.5,
+                                                                                                    float("nan"),
+                                                                                                    "0.9")],
+    *[(dict(inputs=[1], temperature=1.0, top_k=v), "top_k must be an integer >= 0") for v in (-2, 2.5, True, "5")],
+    *[(dict(inputs=[1], temperature=1.0, seed=v), "seed must be an integer or None") for v in ("x", 1.5)],
+    (dict(inputs=[1, 50]), r"token ids \[50\] are outside the target's vocabulary \[0, 50\)"),
+    (dict(inputs=torch.tensor([[-1, 2]])), r"token ids \[-1\] are outside"),
+    (dict(inputs=torch.tensor([1.0, 2.0])), "token ids must be a 1D integer tensor"),
+    (dict(inputs=[1.5, 2]), "token ids must be integers, got 1.5"),
+    (dict(inputs=[True, 2]), "token ids must be integers, got True"),
+    (dict(inputs=None), "cannot generate from a NoneType"),
+    (dict(inputs=7), "cannot generate from a int"),
+    (dict(inputs=torch.zeros(2, 3, dtype=torch.long)), "batch size 2 is not supported"),
+    (dict(inputs=[1] * 64), "the prompt has 64 tokens but the target's context window is 64 tokens"),
+    (dict(inputs=[1], eos_token_id="x"), "eos_token_id must be an integer or a list of integers"),
+    (dict(inputs=[{"role": "robot", "content": "hi"}]), "role 'robot', which chat templates do not know"),
+    (dict(inputs=[{"role": "user", "content": 3}]), "content of type int"),
+    (dict(inputs=[{"role": "user"}]), "must be a dict with 'role' and 'content'"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD_CALLS, ids=[str(i) for i in range(len(BAD_CALLS))])
+def test_bad_generation_arguments_raise_value_errors_naming_the_fix(kwargs, message, bad_input_generator):
+    with pytest.raises(ValueError, match=message):
+        bad_input_generator.generate(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def bad_input_generator():
+    target = tiny_model("llama", vocab_size=50, max_position_embeddings=64)
+    return SpecGenerator(target, NoTokenizer(), untrained_head(target))
+
+
+def test_bad_construction_and_conversations_raise_value_errors(bad_input_generator, caplog):
+    gen = bad_input_generator
+    target = gen.target
+    out = gen.generate([1] * 60, max_new_tokens=20)  # budget capped at the context window, with a warning
+    assert out.sequences.shape[1] == 64 and "context window (64 tokens)" in caplog.text
+    for messages in ([], {"role": "user", "content": "hi"}, None):
+        with pytest.raises(ValueError, match="messages must be a non-empty list"):
+            gen.chat(messages)
     other = tiny_model("llama", vocab_size=70)
     with pytest.raises(ValueError, match="use a head trained for this target"):
         SpecGenerator(other, NoTokenizer(), untrained_head(target))
     with pytest.raises(ValueError, match="depth must be a positive integer"):
         SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=0)
+    for total in (0, "big", 2.5):
+        with pytest.raises(ValueError, match="total_tokens must be 'auto' or a positive integer"):
+            SpecGenerator.from_pretrained(target, untrained_head(target), tokenizer=NoTokenizer(), total_tokens=total)
+    target.config._name_or_path = "no-such-org/no-such-model"  # not a folder, not in any local cache
+    with pytest.raises(ValueError, match="no tokenizer for 'no-such-org/no-such-model' on this machine .*tokenizer="):
+        SpecGenerator.from_pretrained(target, untrained_head(target), total_tokens=4)
+
+
+def test_a_chat_template_that_refuses_a_conversation_gives_its_reason(smol_tokenizer):
+    from griffin.chat import TemplateError, prompt_ids
+
+    tokenizer = copy.deepcopy(smol_tokenizer)
+    tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                               "supported') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert prompt_ids(tokenizer, [{"role": "user", "content": "hi"}])
+    with pytest.raises(TemplateError, match="the chat template refused the conversation: System role not supported"):
+        prompt_ids(tokenizer, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    tokenizer.chat_template = None
+    with pytest.raises(TemplateError, match="the tokenizer has no chat template: pass token ids or a string"):
+        prompt_ids(tokenizer, [{"role": "user", "content": "hi"}])
+
+
+def test_a_loaded_embedded_target_finds_its_tokenizer_locally(embedded, monkeypatch):
+    model, tokenizer = embedded
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # any hub lookup would fail here (and no network is reachable)
+    gen = SpecGenerator.from_pretrained(model, untrained_head(model, draft_vocab_size=1024), total_tokens=4)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert gen.encode(messages).tolist() == tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                          tokenize=True, return_dict=False)
 
 
 def test_context_tokens_join_a_reduced_draft_vocabulary():
@@ -219,16 +329,22 @@ def test_context_tokens_join_a_reduced_draft_vocabulary():
     target = tiny_model("llama", vocab_size=96)
     head = DraftModel(DraftConfig.from_target(target.config, draft_vocab_size=10)).attach(target)
     vocab = DraftVocab(head, extra_capacity=4)
-    assert vocab.size == 10 and vocab.ids[:10].tolist() == list(range(10))
-    vocab.add(torch.tensor([3, 50, 50, 70, 80, 90, 91, 92]))  # grows past its preallocated capacity
-    assert vocab.size == 16 and sorted(vocab.ids[10:16].tolist()) == [50, 70, 80, 90, 91, 92]
-    torch.testing.assert_close(vocab.weight[10:16], target.lm_head.weight[vocab.ids[10:16]])
+    assert int(vocab.size) == 10 and vocab.ids[:10].tolist() == list(range(10))
     predict = torch.randn(2, 64)
-    torch.testing.assert_close(vocab.logits(predict), predict @ target.lm_head.weight[vocab.ids[:16]].T)
+    assert vocab.logits(predict).shape == (2, 14) and vocab.logits(predict)[:, 10:].isinf().all()  # masked slots
+    vocab.add(torch.tensor([3, 50, 50, 70]))  # 3 is static, 50 comes twice
+    assert int(vocab.size) == 12 and vocab.ids[10:12].tolist() == [50, 70]
+    vocab.add(torch.tensor([92, 91, 90, 50]))  # two free slots left: the smallest new ids take them
+    assert int(vocab.size) == 14 and vocab.ids[10:14].tolist() == [50, 70, 90, 91]
+    torch.testing.assert_close(vocab.logits(predict), predict @ target.lm_head.weight[vocab.ids[:14]].T)
+    assert vocab.slot_of[3] == 4 and vocab.slot_of[92] == 0
+    vocab.reserve(6)  # a new generation: context tokens are forgotten, static ones stay
+    assert int(vocab.size) == 10 and vocab.logits(predict).shape == (2, 16) and vocab.slot_of[50] == 0
+    assert vocab.slot_of[3] == 4
     head.config.context_vocab = False
     fixed = DraftVocab(head)
     fixed.add(torch.tensor([50]))
-    assert fixed.size == 10
+    assert int(fixed.size) == 10 and fixed.logits(predict).shape == (2, 10)
     # generation stays exact whichever tokens the head may propose
     head.config.context_vocab = True
     gen = SpecGenerator(target, NoTokenizer(), head, depth=4, top_k=4, total_tokens=12)

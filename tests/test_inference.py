@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from griffin import DraftConfig, DraftModel, SpecGenerator
 from griffin.autotune import expected_tau
 from griffin.tree import build_tree
-from tests.conftest import run_module, tiny_model
+from tests.conftest import ROOT, run_main, run_module, tiny_model
 
 
 def chain_tree(length: int):
@@ -195,3 +196,50 @@ def test_verify_profile_groups_the_operators_of_one_forward(tmp_path, tiny_targe
     assert verify_profile.group_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert verify_profile.group_of("aten::copy_") == "copies and views"
     assert verify_profile.group_of("aten::rsqrt").startswith("elementwise")
+
+
+def test_gpu_check_script_runs_the_benchmark_at_the_tiny_shape(tmp_path):
+    """inference/gpu_check.sh as the lead runs it on a GPU machine, at the tiny shape (its CUDA tests left out)."""
+    import subprocess
+
+    env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_TINY": "1", "GPU_CHECK_TESTS": "0", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT)}
+    res = subprocess.run(["bash", "inference/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    log = (tmp_path / "bench.log").read_text() if (tmp_path / "bench.log").exists() else ""
+    assert res.returncode == 0, res.stdout + log[-3000:]
+    assert "benchmark tiny: ok" in res.stdout and "torch" in res.stdout
+    shape = json.loads((tmp_path / "engine-cpu.json").read_text())["shapes"]["tiny"]
+    assert shape["complete"] and shape["dtype"] == "fp32" and shape["parameters"] == 106_816
+    oracle = shape["oracle"]
+    assert set(oracle) == {"1", "6", "60"}
+    # 24 new tokens: one from the prefill, then cycles of 2 tokens (1 node) or 7 (depth 6), the last one cut
+    assert oracle["1"]["tau"] == 2.0 and oracle["6"]["tau"] == oracle["60"]["tau"] == 6.0
+    for o in oracle.values():
+        assert o["identical_to_generate"] == 1.0 and o["oracle_runs"] == 1 and o["ceiling"] > 0
+    untrained = shape["untrained"]
+    assert untrained["cycles"] > 0 and untrained["identical_to_generate"] == 1.0
+    assert min(untrained["draft_s"], untrained["verify_s"], untrained["other_s"]) > 0
+    assert {"1", "2", "7", "61"} <= set(shape["forward_cost_s"]) and shape["autotune"]["total_tokens"] >= 1
+    table = (tmp_path / "engine-cpu.md").read_text()
+    assert "## tiny" in table and "Engine overhead at the 60-node tree" in table
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.log", "engine-cpu.json", "engine-cpu.md",
+                                                          "summary.txt"]
+
+
+def test_gpu_engine_oracle_reproposes_the_engines_own_tokens():
+    from inference.gpu_engine import IdTokenizer, oracle_generate
+
+    target = tiny_model("llama", vocab_size=96)
+    torch.manual_seed(0)
+    head = DraftModel(DraftConfig.from_target(target.config))
+    gen = SpecGenerator(target, IdTokenizer(96), head, depth=6, top_k=10, total_tokens=60)
+    ids = torch.tensor([5, 17, 33, 2])
+    ref = target.generate(ids[None], max_new_tokens=20, do_sample=False)[0, 4:].tolist()
+    stats, _, runs, same = oracle_generate(gen, ids, ref, 60, 20, passes=4)
+    assert (runs, same) == (1, True) and stats.tau > 4
+    wrong = ref[:8] + [(t + 1) % 96 for t in ref[8:]]  # as if the engine rounded a near-tie differently at 8
+    stats, _, runs, same = oracle_generate(gen, ids, wrong, 60, 20, passes=4)
+    assert (runs, same) == (2, True) and stats.tau > 4
+    code, err = run_main("inference.gpu_engine", "--shapes", "tiny,bogus")
+    assert code == 2 and "unknown shape(s) ['bogus']" in err

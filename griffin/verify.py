@@ -1,0 +1,110 @@
+"""Verifiers: which drafted tokens the target accepts, and the bonus token it emits after them.
+
+A verifier turns the target's logits over a proposal (:class:`griffin.tree.Tree`, ``N + 1`` nodes) into an
+:class:`Acceptance`. Every rule here keeps the output exactly the target's (greedy tokens, sampling distribution) and
+runs as tensor operations on the logits' device: nothing waits for the device, so that the generation loop moves
+only the emitted tokens to the host, once per cycle.
+
+Protocol (any object with this method plugs into ``SpecGenerator._steps``)::
+
+    accept(tree: Tree, logits: Tensor [N+1, V]) -> Acceptance
+
+``logits[i]`` is the target's next-token logits after node ``i`` (its ancestors and the context before it). A drafter
+picks its rule with an optional ``verifier(sampling, generator)`` method; without one the generator uses
+:func:`default_verifier`.
+
+Rules:
+
+- :class:`Greedy`: walk from the root; at each node the target's argmax must be a child's token; the bonus is the
+  argmax at the last accepted node.
+- :class:`TreeSampling` (DESIGN §5, drafts are deterministic, q = δ): at a node with target distribution p, try its
+  children in draft order and accept child c with probability p(c), zeroing p(c) and renormalising on rejection;
+  when all are rejected the bonus is sampled from what is left of p. The first child accepted is child c with
+  probability p(c) and the bonus is x with probability p(x) for every non-child x, so the rule is computed as: sample
+  x ~ p at every node at once, follow the child whose token is x (the first in draft order), and emit x as the bonus
+  where no child carries it. Same distribution over (path, bonus), no loop over children, no host sync.
+- p/q chain rule (classic speculative sampling, DESIGN §7; the draft-LM drafter of issue 13 provides it): a chain
+  proposal with ``tree.q`` [N+1, V] (row i: the warped draft distribution token i+1 was sampled from). With p_i the
+  warped target distribution after node i: accept y_{i+1} with probability min(1, p_i(y) / q_i(y)); at the first
+  rejection i emit a bonus from norm(max(0, p_i - q_i)); when all N are accepted emit a bonus from p_N. Computed
+  as: one uniform per node for the tests, the first failing node a (N if none), ``path = arange(N + 1)`` (padding
+  beyond a is ignored), bonus sampled from every row's residual / p_N at once with :func:`sample` and picked at a.
+  It returns the same :class:`Acceptance`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .sampling import SamplingConfig, sample, warp
+from .tree import Tree
+
+
+@dataclass
+class Acceptance:
+    path: torch.Tensor  # [D+1] node at each depth of the accepted path, root first; entries past `length`: padding
+    length: torch.Tensor  # 0-dim long: a, the number of accepted drafted tokens (0..D)
+    bonus: torch.Tensor  # [1] the target's token after the last accepted node
+
+    def emitted(self, tree: Tree) -> torch.Tensor:
+        """[D+1] the a accepted tokens, then the bonus, then padding (entries past a are not to be emitted)."""
+        d = self.path.shape[0] - 1
+        drafted = torch.cat((tree.tokens[self.path[1:]], self.bonus))  # [D+1]
+        at_bonus = torch.arange(d + 1, device=drafted.device) == self.length
+        return torch.where(at_bonus, self.bonus, drafted)
+
+
+class Verifier(Protocol):
+    def accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance: ...
+
+
+def follow(tree: Tree, choice: torch.Tensor) -> Acceptance:
+    """The path the target takes through the tree when it emits ``choice[i]`` after node i ([N+1] token ids).
+
+    From the root, move to the child whose token is the choice (the first in draft order if several are), as long as
+    there is one; the bonus is the choice at the last node reached. Padding nodes are never entered.
+    """
+    n1 = tree.size
+    nodes = torch.arange(n1, device=choice.device)
+    match = (tree.parents[None, :] == nodes[:, None]) & (tree.tokens[None, :] == choice[:, None])  # [N+1, N+1]
+    match[:, 0] = False  # the root is nobody's child
+    if tree.valid is not None:
+        match &= tree.valid[None, :]
+    rank = tree.ranks()
+    first = torch.where(match, rank[None, :], n1).argmin(dim=1)  # [N+1] chosen child of each node (if any)
+    moved = match.any(dim=1)
+    chosen = moved[tree.parents] & (first[tree.parents] == nodes)  # [N+1] the node is its parent's chosen child
+    chosen[0] = True
+    reached = ~(tree.ancestors & ~chosen[None, :]).any(dim=1)  # every node from the root down to it was chosen
+    deepest = torch.where(reached, tree.depths, -1).argmax()  # the reached nodes form one chain
+    length = tree.depths[deepest]
+    on_path = tree.ancestors[deepest]  # [N+1]
+    levels = torch.arange(tree.max_depth + 1, device=choice.device)
+    at_level = on_path[None, :] & (tree.depths[None, :] == levels[:, None])  # [D+1, N+1]
+    path = at_level.int().argmax(dim=1)  # levels past `length` have no node: 0 (padding)
+    return Acceptance(path, length, choice[deepest].view(1))
+
+
+class Greedy:
+    """The longest path whose every token is the target's argmax after its parent; the argmax after it is the bonus."""
+
+    def accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:
+        return follow(tree, logits.argmax(dim=-1))
+
+
+class TreeSampling:
+    """DESIGN §5's rule for deterministic drafts (see the module docstring): exactly the target's distribution."""
+
+    def __init__(self, cfg: SamplingConfig, generator: torch.Generator | None):
+        self.cfg, self.generator = cfg, generator
+
+    def accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:
+        return follow(tree, sample(warp(logits, self.cfg), self.generator))
+
+
+def default_verifier(sampling: SamplingConfig, generator: torch.Generator | None) -> Verifier:
+    """Greedy at temperature 0, else the tree rule for deterministic drafts."""
+    return Greedy() if sampling.greedy else TreeSampling(sampling, generator)

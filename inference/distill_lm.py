@@ -1,0 +1,277 @@
+"""Distilled draft LMs for the embedded target: acceptance per objective and data, and speed against plain decoding
+and the shipped GRIFFIN head. Writes ``benchmarks/results/distill-lm.{json,md,png}``.
+
+    OMP_NUM_THREADS=1 python -m inference.distill_lm                          # the committed run (tiny budgets)
+    OMP_NUM_THREADS=1 python -m inference.distill_lm --steps 200 --questions 16 --work students/long
+
+1. Students (``python -m training.distill``, the default 2-layer student with a reduced output vocabulary), each
+   from the same start and for the same number of updates: undistilled; FKL, RKL, JSD, TVD on on-policy data
+   (student-generated responses); FKL on the fixed data (ShareGPT conversations); the TVD++ direct-alignment recipe
+   (target-generated responses); FKL on on-policy data with AdaSPEC selection (reference: the FKL student).
+2. For each: the measured per-token acceptance rate α and τ (new tokens per target pass) with chains of ``--gamma``
+   on MT-Bench first turns (every ``80 / --questions``-th question: all eight categories), greedy and at T=1.
+3. Speed on the same prompts, greedy, methods interleaved per prompt in one process: transformers' ``generate``,
+   our plain decoding loop (:mod:`griffin.plain`), the shipped GRIFFIN head, and the best student at γ = 1..4.
+
+A killed run continues: finished students and evaluations are kept under ``--work``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from griffin import SpecGenerator
+from griffin.chat import prompt_ids
+from griffin.draft import DraftModel
+from griffin.draft_lm import DraftLM, load_draft_lm, measured_alpha
+from griffin.generator import default_head, fast_draft_dtype
+from griffin.io import atomic_write, atomic_write_json
+from griffin.plain import plain_generate
+from griffin.sampling import SamplingConfig
+from griffin.target import EMBEDDED_TARGET, load_target
+from training import distill
+from training.cli import run_cli
+
+from .questions import load_questions
+from .report import command_line, machine_info, markdown_table, write_benchmark
+
+HEAD_TREE = {"depth": 1, "top_k": 8, "total_tokens": 3}  # the tree of the head's committed MT-Bench runs
+
+
+def variants(work: Path) -> list[tuple[str, str, list[str]]]:
+    """(name, description, distill arguments) in training order (AdaSPEC needs the FKL student first)."""
+    return [
+        ("undistilled", "the target's first layers, untrained", ["--steps", "0"]),
+        ("fkl", "FKL, on-policy", ["--token-loss", "fkl"]),
+        ("rkl", "RKL, on-policy", ["--token-loss", "rkl"]),
+        ("jsd", "JSD(0.5), on-policy", ["--token-loss", "jsd"]),
+        ("tvd", "TVD, on-policy", ["--token-loss", "tvd"]),
+        ("fkl-fixed", "FKL, fixed data", ["--token-loss", "fkl", "--lambda-fixed", "1"]),
+        ("tvdpp", "TVD++ recipe (target responses)", ["--recipe", "tvdpp"]),
+        ("fkl-adaspec", "FKL, on-policy, AdaSPEC 0.4", ["--token-loss", "fkl", "--select", "adaspec",
+                                                        "--reference", str(work / "fkl")]),
+    ]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m inference.distill_lm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", default="students/distill-lm", help="students and partial results (resumable)")
+    p.add_argument("--steps", type=int, default=24, help="distillation updates per student")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--gen-len", type=int, default=32, help="tokens of generated training responses")
+    p.add_argument("--max-samples", type=int, default=400, help="ShareGPT conversations to draw data from")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--questions", type=int, default=8, help="MT-Bench first turns (evenly spaced)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--gamma", type=int, default=3, help="chain length for α and τ")
+    p.add_argument("--speed-gammas", default="1,2,3,4")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="benchmarks/results")
+    args = p.parse_args(argv)
+    args.argv = argv
+    return args
+
+
+def train_students(args: argparse.Namespace, work: Path) -> dict[str, dict]:
+    common = ["--layers", str(args.layers), "--draft-vocab", str(args.draft_vocab), "--batch-size",
+              str(args.batch_size), "--lr", str(args.lr), "--gen-len", str(args.gen_len), "--max-samples",
+              str(args.max_samples), "--max-prompt", "80", "--max-len", "160", "--val-samples", "2", "--seed",
+              str(args.seed), "--warmup", "2", "--save-every", "8"]
+    reports = {}
+    for name, _, extra in variants(work):
+        out = work / name
+        if not (out / distill.REPORT).is_file():
+            steps = [] if "--steps" in extra else ["--steps", str(args.steps)]
+            resume = ["--resume"] if (out / distill.STATE).exists() else []
+            code = distill.main(["--out", str(out), *common, *steps, *extra, *resume])
+            if code:
+                raise RuntimeError(f"distilling {name} failed")
+        reports[name] = json.loads((out / distill.REPORT).read_text())
+    return reports
+
+
+def prompts(tokenizer, n: int) -> tuple[list[int], list[torch.Tensor]]:
+    questions = load_questions("mt_bench")
+    stride = max(1, len(questions) // n)
+    chosen = questions[::stride][:n]
+    ids = [torch.tensor(prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}])) for q in chosen]
+    return [q["question_id"] for q in chosen], ids
+
+
+def evaluate(gen: SpecGenerator, ids: list[torch.Tensor], args: argparse.Namespace, temperature: float) -> dict:
+    hist: dict[int, int] = {}
+    new = cycles = 0
+    outputs = []
+    for i, prompt in enumerate(ids):
+        out = gen.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=temperature, seed=args.seed + i)
+        for count, k in out.stats.accepted_hist.items():
+            hist[count] = hist.get(count, 0) + k
+        new += out.stats.new_tokens
+        cycles += out.stats.cycles
+        outputs.append(out.sequences[0, len(prompt):].tolist())
+    return {"alpha": measured_alpha(hist, gen.gamma), "tau": new / max(cycles, 1), "new_tokens": new,
+            "cycles": cycles, "accepted_hist": {str(k): v for k, v in sorted(hist.items())}, "outputs": outputs}
+
+
+def student_generator(target, tokenizer, folder: Path, gamma: int) -> SpecGenerator:
+    lm, _, vocab = load_draft_lm(folder)
+    return SpecGenerator(target, tokenizer, DraftLM(lm, vocab, target.config.vocab_size), gamma=gamma)
+
+
+@torch.inference_mode()
+def speed(target, tokenizer, ids: list[torch.Tensor], best: Path, args: argparse.Namespace) -> dict:
+    """Greedy wall times per method, interleaved per prompt after a warm-up; outputs compared to ``generate``."""
+    eos = torch.tensor([target.generation_config.eos_token_id])
+    head = SpecGenerator(target, tokenizer, DraftModel.from_pretrained(default_head(EMBEDDED_TARGET)),
+                         draft_dtype=fast_draft_dtype(target.device), **HEAD_TREE)
+    gammas = [int(g) for g in args.speed_gammas.split(",")]
+    students = {g: student_generator(target, tokenizer, best, g) for g in gammas}
+    budget = args.max_new_tokens
+
+    def run(method: str, prompt: torch.Tensor) -> tuple[list[int], dict]:
+        if method == "generate":
+            out = target.generate(prompt[None], max_new_tokens=budget, do_sample=False, eos_token_id=eos.tolist(),
+                                  pad_token_id=int(eos[0]))[0, len(prompt):]
+            return out.tolist(), {}
+        if method == "plain":
+            return plain_generate(target, prompt, budget, SamplingConfig(), eos).tolist(), {}
+        gen = head if method == "griffin-head" else students[int(method.split("=")[1])]
+        result = gen.generate(prompt, max_new_tokens=budget)
+        return result.sequences[0, len(prompt):].tolist(), {"tau": result.stats.tau, "cycles": result.stats.cycles}
+
+    methods = ["generate", "plain", "griffin-head"] + [f"student gamma={g}" for g in gammas]
+    for method in methods:  # warm-up
+        run(method, ids[0][:24])
+    seconds = dict.fromkeys(methods, 0.0)
+    tokens = dict.fromkeys(methods, 0)
+    cycles = dict.fromkeys(methods, 0)
+    identical = dict.fromkeys(methods, 0)
+    for prompt in tqdm(ids, desc="speed", unit="prompt"):
+        reference = None
+        for method in methods:
+            t0 = time.perf_counter()
+            out, stats = run(method, prompt)
+            seconds[method] += time.perf_counter() - t0
+            tokens[method] += len(out)
+            cycles[method] += stats.get("cycles", len(out))
+            reference = out if reference is None else reference
+            identical[method] += out == reference
+    fastest_plain = max(("generate", "plain"), key=lambda m: tokens[m] / seconds[m])
+    return {m: {"seconds": seconds[m], "tokens": tokens[m], "tokens_per_s": tokens[m] / seconds[m],
+                "tau": tokens[m] / max(cycles[m], 1), "identical_fraction": identical[m] / len(ids),
+                "speedup_vs_fastest_plain": seconds[fastest_plain] / seconds[m] * tokens[m] / tokens[fastest_plain]}
+            for m in methods} | {"fastest_plain": fastest_plain}
+
+
+def report(result: dict) -> str:
+    rows = []
+    for name, r in result["students"].items():
+        rows.append([name, r["description"], r["steps"], r["val_acceptance"], r["T0"]["alpha"], r["T0"]["tau"],
+                     r["T1"]["alpha"], r["T1"]["tau"], r["T0"]["identical_fraction"]])
+    table = markdown_table(["student", "objective / data", "updates", "held-out 1-TVD", "α T=0", "τ T=0", "α T=1",
+                            "τ T=1", "greedy identical"], rows)
+    sp = result["speed"]
+    speed_rows = [[m, v["tokens_per_s"], v["tau"], f"{v['speedup_vs_fastest_plain']:.2f}x", v["identical_fraction"]]
+                  for m, v in sp.items() if isinstance(v, dict)]
+    s = result["settings"]
+    head = (f"# Standalone draft LMs distilled for {EMBEDDED_TARGET}\n\n"
+            f"Students: the target's first {s['layers']} layers with its embeddings and a {s['draft_vocab']}-token "
+            f"output vocabulary, each distilled for {s['steps']} updates of {s['batch_size']} sequences "
+            f"(responses of up to {s['gen_len']} tokens; lr {s['lr']}), from the same start. Evaluation: MT-Bench "
+            f"first turns of questions {result['question_ids']} (one per category), up to {s['max_new_tokens']} new "
+            f"tokens, chains of γ = {s['gamma']}; α = accepted drafted tokens / drafted tokens judged. "
+            f"One thread (OMP_NUM_THREADS=1) on a shared machine: tiny budgets, the paper's ordering at most, not "
+            f"its scale.\n\n")
+    speed_head = (f"\n## Speed (greedy, same prompts, interleaved; best student: {result['best_student']})\n\n"
+                  f"Fastest plain decoding here: {sp['fastest_plain']}. GRIFFIN head: the shipped "
+                  f"{default_head(EMBEDDED_TARGET).name} with tree {HEAD_TREE}.\n\n")
+    foot = (f"\nCommand: `{result['command']}`\n\nMachine: {result['machine']['cpu']}, {result['machine']['cores']} "
+            f"cores, torch {result['machine']['torch']}, {result['machine']['date']}. Total time "
+            f"{result['wall_minutes']:.1f} min (training {result['train_minutes']:.1f}).\n")
+    return head + table + speed_head + markdown_table(["method", "tokens/s", "τ", "speedup vs fastest plain",
+                                                       "identical to generate"], speed_rows) + foot
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["students"])
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    for i, temp in enumerate(("T0", "T1")):
+        ax.bar([j + 0.4 * i for j in range(len(names))], [result["students"][n][temp]["alpha"] for n in names], 0.4,
+               label=f"α at {temp[0]}={temp[1]}")
+    ax.set_xticks([j + 0.2 for j in range(len(names))])
+    ax.set_xticklabels(names, rotation=30, ha="right")
+    ax.set_ylabel("acceptance rate α")
+    ax.set_title("Distilled 2-layer students (same budget)")
+    ax.legend()
+    methods = [m for m, v in result["speed"].items() if isinstance(v, dict)]
+    ax2.bar(range(len(methods)), [result["speed"][m]["speedup_vs_fastest_plain"] for m in methods])
+    ax2.axhline(1.0, color="black", linewidth=0.8)
+    ax2.set_xticks(range(len(methods)))
+    ax2.set_xticklabels(methods, rotation=30, ha="right")
+    ax2.set_ylabel("speedup vs fastest plain decoding")
+    ax2.set_title("Greedy speed on the same prompts")
+    fig.tight_layout()
+    atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=120))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    reports = train_students(args, work)
+    trained = time.perf_counter()
+    target, tokenizer = load_target(EMBEDDED_TARGET)
+    question_ids, ids = prompts(tokenizer, args.questions)
+    references = None
+    students = {}
+    for name, description, _ in variants(work):
+        cached = work / f"eval-{name}.json"
+        if not cached.is_file():
+            gen = student_generator(target, tokenizer, work / name, args.gamma)
+            atomic_write_json(cached, {f"T{t}": evaluate(gen, ids, args, float(t)) for t in (0, 1)})
+        evaluation = json.loads(cached.read_text())
+        if references is None:
+            references = [target.generate(p[None], max_new_tokens=args.max_new_tokens, do_sample=False)[0, len(p):]
+                          .tolist() for p in ids]
+        same = [a == b for a, b in zip(evaluation["T0"]["outputs"], references)]
+        evaluation["T0"]["identical_fraction"] = sum(same) / len(same)
+        for t in ("T0", "T1"):
+            evaluation[t].pop("outputs")
+        validation = reports[name]["validation"]
+        students[name] = {"description": description, "steps": reports[name]["progress"]["updates"],
+                          "val_acceptance": validation[-1]["acceptance"], "train_seconds":
+                          reports[name]["progress"]["seconds"], "sources": reports[name]["progress"]["sources"],
+                          **evaluation}
+    best = max((n for n in students if n != "undistilled"), key=lambda n: students[n]["T0"]["tau"])
+    result = {"target": EMBEDDED_TARGET, "settings": {k: v for k, v in vars(args).items() if k != "argv"},
+              "question_ids": question_ids, "students": students, "best_student": best,
+              "alpha_ratio_T1_best_vs_undistilled": max(s["T1"]["alpha"] for s in students.values())
+              / max(students["undistilled"]["T1"]["alpha"], 1e-9),
+              "speed": speed(target, tokenizer, ids, work / best, args),
+              "train_minutes": (trained - started) / 60, "machine": machine_info(),
+              "command": "OMP_NUM_THREADS=1 " + command_line("inference.distill_lm", args.argv)}
+    result["wall_minutes"] = (time.perf_counter() - started) / 60
+    out_dir = Path(args.out_dir)
+    write_benchmark(out_dir, "distill-lm", result, report(result))
+    plot(result, out_dir / "distill-lm.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -1,0 +1,438 @@
+"""Distil a standalone draft LM from its target (DistillSpec; the TVD++ direct-alignment recipe).
+
+    python -m training.distill --out students/smol-fkl --steps 200             # default student, on-policy FKL
+    python -m training.distill --out students/smol-tvd --token-loss tvd --lambda-fixed 0.5
+    python -m training.distill --out students/smol-ada --select adaspec --reference students/smol-fkl
+    python -m training.distill --out students/smol-tvdpp --recipe tvdpp        # target responses, then TVD++
+    python -m training.distill --target path/to/big-llm --student path/to/small-llm --out students/mine
+    accelerate launch -m training.distill ...                                   # several GPUs (accelerate config)
+
+Student: ``--student`` (any HF causal LM folder with the target's tokenizer, checked first) or, by default, the
+target's own architecture with its embeddings and first ``--layers`` layers (:func:`griffin.draft_lm.build_student`),
+scoring a reduced output vocabulary of the ``--draft-vocab`` most frequent response tokens of the data.
+
+Data per update (DistillSpec): with probability λ1 (``--lambda-fixed``) a batch of conversations of ``--data``;
+otherwise responses of up to ``--gen-len`` tokens, sampled at temperature 1 for prompts of ``--data``, by the student
+with probability λ2 (``--lambda-student``: on-policy) or else by the target. The loss (``--token-loss``, from
+:mod:`training.losses`) compares the target's and the student's next-token distributions on response tokens;
+``--select adaspec`` keeps the ``--select-frac`` of them where the student lags a frozen ``--reference`` student most.
+``--recipe tvdpp`` is the direct-alignment recipe: target-generated responses to chat prompts, TVD++ loss.
+
+A killed run continues with ``--resume`` and ends with the same weights. The output folder is a ``save_pretrained``
+folder (plus ``draft_vocab.json``) that ``SpecGenerator.from_pretrained(target, draft_model=folder)`` loads, and
+``distill.json`` with the settings, the loss per update and the held-out acceptance rate before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
+
+from griffin.chat import TemplateError, prompt_ids, tokenize_conversation
+from griffin.compat import TokenizerMismatch, check_compatible
+from griffin.draft_lm import build_student, load_draft_lm, save_draft_lm, vocab_logits
+from griffin.io import atomic_write_json
+from griffin.target import EMBEDDED_TARGET, load_target, resolve_dtype
+
+from .cli import run_cli
+from .data import DEFAULT_DATA, BadConversation, DataError, iter_records, to_messages
+from .losses import NAMES, adaspec_select, make_token_loss, per_token_fkl
+
+log = logging.getLogger("distill")
+INPUT_ERRORS = (DataError, TemplateError, TokenizerMismatch)
+STATE = "distill_state"
+REPORT = "distill.json"
+SOURCES = ("fixed", "student", "target")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m training.distill", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output folder (student, distill.json, resumable distill_state/)")
+    p.add_argument("--target", default=EMBEDDED_TARGET, help="target name or local HF folder (default: %(default)s)")
+    p.add_argument("--student", default=None, help="student HF folder (default: built from the target)")
+    p.add_argument("--layers", type=int, default=2, help="layers of the default student (default: %(default)s)")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="score only the N most frequent response tokens (0 = the full vocabulary; default: "
+                        "%(default)s)")
+    p.add_argument("--data", default=DEFAULT_DATA, help="ShareGPT file, datasets folder or name (default: %(default)s)")
+    p.add_argument("--max-samples", type=int, default=2000, help="conversations read from --data")
+    p.add_argument("--recipe", default=None, choices=["tvdpp"],
+                   help="tvdpp: target-generated responses and the TVD++ loss (sets the three options below)")
+    p.add_argument("--token-loss", default="fkl", choices=NAMES, help="divergence (default: %(default)s)")
+    p.add_argument("--jsd-beta", type=float, default=0.5)
+    p.add_argument("--temperature", type=float, default=1.0, help="temperature of p and q in the loss")
+    p.add_argument("--lambda-fixed", type=float, default=0.0, help="λ1: probability of a fixed-data batch")
+    p.add_argument("--lambda-student", type=float, default=1.0,
+                   help="λ2: probability that an online batch is generated by the student (else by the target)")
+    p.add_argument("--select", default="none", choices=["none", "adaspec"])
+    p.add_argument("--reference", default=None, help="frozen FKL-distilled student for --select adaspec")
+    p.add_argument("--select-frac", type=float, default=0.4, help="AdaSPEC: fraction of tokens kept per batch")
+    p.add_argument("--steps", type=int, default=200, help="optimizer updates (0: save the undistilled student)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per process per update")
+    p.add_argument("--max-len", type=int, default=256, help="truncate fixed-data conversations")
+    p.add_argument("--max-prompt", type=int, default=192, help="skip prompts longer than this (online data)")
+    p.add_argument("--gen-len", type=int, default=64, help="new tokens of generated responses")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=int, default=None, help="warm-up updates (default: 5%% of the run)")
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--val-samples", type=int, default=4, help="held-out conversations for the acceptance rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue a killed run in --out")
+    p.add_argument("--save-every", type=int, default=50, help="save the resumable state every N updates")
+    p.add_argument("--save-dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    p.add_argument("--mixed-precision", default=None, choices=["no", "bf16", "fp16"])
+    args = p.parse_args(argv)
+    if args.recipe == "tvdpp":
+        args.token_loss, args.lambda_fixed, args.lambda_student = "tvdpp", 0.0, 0.0
+    for name in ("lambda_fixed", "lambda_student"):
+        if not 0 <= getattr(args, name) <= 1:
+            p.error(f"--{name.replace('_', '-')} must be in [0, 1]")
+    if args.select == "adaspec" and not args.reference:
+        p.error("--select adaspec needs --reference (a student distilled with FKL from the same start)")
+    if min(args.batch_size, args.layers, args.gen_len, args.max_len, args.max_samples) < 1 or args.steps < 0:
+        p.error("--batch-size, --layers, --gen-len, --max-len and --max-samples must be at least 1, --steps at "
+                "least 0 (0: save the student undistilled)")
+    if args.draft_vocab < 0:
+        p.error("--draft-vocab must be >= 0")
+    return args
+
+
+class Conversations:
+    """The first ``max_samples`` usable conversations of the data: token ids with response masks, and prompts."""
+
+    def __init__(self, source: str, tokenizer, max_samples: int, max_len: int, max_prompt: int, val: int):
+        items, prompts = [], []
+        for record in iter_records(source):
+            if len(items) >= max_samples:
+                break
+            try:
+                messages = to_messages(record)
+            except BadConversation:
+                continue
+            ids, mask = tokenize_conversation(tokenizer, messages, max_len)
+            if mask.sum() == 0:
+                continue
+            first_answer = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            prompt = prompt_ids(tokenizer, messages[:first_answer])
+            items.append((ids, mask.bool()))
+            prompts.append(torch.tensor(prompt) if len(prompt) <= max_prompt else None)
+        if len(items) <= val:
+            raise DataError(f"{source} gave {len(items)} usable conversations, too few to train on (raise "
+                            "--max-samples)")
+        self.val = items[:val]
+        self.train = items[val:]
+        self.prompts = [p for p in prompts[val:] if p is not None]
+        if not self.prompts:
+            raise DataError(f"no prompt of {source} is at most --max-prompt tokens long")
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for ids, mask in self.train:
+            counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+        return counts
+
+
+def right_pad(rows: list[torch.Tensor], masks: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, ...]:
+    """Sequences [L_i] and response masks [L_i] -> ids [B, T], attention [B, T], prediction mask [B, T-1 + 1]:
+    ``predict[b, t]`` is True where position t's next token is a response token."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention = torch.zeros(len(rows), width, dtype=torch.long)
+    predict = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, (row, mask) in enumerate(zip(rows, masks)):
+        ids[b, : len(row)] = row
+        attention[b, : len(row)] = 1
+        predict[b, : len(row) - 1] = mask[1:]
+    return ids, attention, predict
+
+
+class VocabMask(LogitsProcessor):
+    """Sampling from a student with a reduced output vocabulary: every other token gets probability 0."""
+
+    def __init__(self, allowed: torch.Tensor):
+        self.allowed = allowed  # [V] bool
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores.masked_fill(~self.allowed[: scores.shape[-1]], -torch.inf)
+
+
+class StudentLogits(nn.Module):
+    """The student's logits over its draft vocabulary (the module the optimizer and accelerate see)."""
+
+    def __init__(self, model: PreTrainedModel, vocab: torch.Tensor | None):
+        super().__init__()
+        self.model = model
+        self.register_buffer("vocab", vocab, persistent=False)
+
+    def forward(self, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.get_decoder()(input_ids=ids, attention_mask=attention).last_hidden_state
+        return vocab_logits(self.model, hidden, self.vocab)  # [B, T, V']
+
+
+def select_vocab(data: Conversations, size: int, vocab_size: int, always: list[int]) -> torch.Tensor | None:
+    if size == 0 or size >= vocab_size:
+        return None
+    counts = data.token_counts(vocab_size)
+    counts[torch.tensor(always, dtype=torch.long)] = counts.max() + 1
+    return counts.topk(size).indices.sort().values
+
+
+class Distiller:
+    def __init__(self, args: argparse.Namespace, accelerator):
+        self.args, self.acc = args, accelerator
+        self.out = Path(args.out)
+        self.target, self.tokenizer = load_target(args.target, device=accelerator.device)
+        eos = self.target.generation_config.eos_token_id
+        self.eos = [eos] if isinstance(eos, int) else list(eos or [self.tokenizer.eos_token_id])
+        self.data = Conversations(args.data, self.tokenizer, args.max_samples, args.max_len, args.max_prompt,
+                                  args.val_samples)
+        torch.manual_seed(args.seed)
+        if args.student:
+            student, student_tok, vocab = load_draft_lm(args.student, device=accelerator.device)
+            check_compatible(self.tokenizer, student_tok, self.target, student)
+            student.requires_grad_(True)
+        else:
+            student = build_student(self.target, args.layers).requires_grad_(True)
+            vocab = select_vocab(self.data, args.draft_vocab, self.target.config.vocab_size, self.eos)
+        self.vocab = None if vocab is None else vocab.to(accelerator.device)
+        self.allowed = None
+        if self.vocab is not None:
+            self.allowed = torch.zeros(self.target.config.vocab_size, dtype=torch.bool, device=accelerator.device)
+            self.allowed[self.vocab] = True
+        self.reference = None
+        if args.select == "adaspec":
+            ref, ref_tok, ref_vocab = load_draft_lm(args.reference, device=accelerator.device)
+            check_compatible(self.tokenizer, ref_tok, self.target, ref)
+            if (ref_vocab is None) != (vocab is None) or (vocab is not None and not torch.equal(ref_vocab, vocab)):
+                raise ValueError(f"the reference {args.reference} scores a different draft vocabulary than the "
+                                 "student: distil it from the same start (same --layers and --draft-vocab)")
+            self.reference = StudentLogits(ref, self.vocab)
+        self.loss = make_token_loss(args.token_loss, args.temperature, args.jsd_beta)
+        module = StudentLogits(student, self.vocab)
+        optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr,
+                                      betas=(0.9, 0.95), weight_decay=0.0)
+        from transformers import get_scheduler
+
+        warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+        scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=warmup, num_training_steps=args.steps)
+        self.module, self.optimizer, self.scheduler = accelerator.prepare(module, optimizer, scheduler)
+        self.progress = {"updates": 0, "tokens": 0, "seconds": 0.0, "sources": dict.fromkeys(SOURCES, 0)}
+        self.history: list[dict] = []
+        self.validation: list[dict] = []
+        self.run_info = {k: v for k, v in vars(args).items() if k not in ("resume", "out")}
+        self.run_info.update(warmup=warmup, draft_vocab_size=None if vocab is None else len(vocab),
+                             student_layers=student.config.get_text_config().num_hidden_layers,
+                             student_parameters=student.num_parameters(), processes=accelerator.num_processes,
+                             train_conversations=len(self.data.train), prompts=len(self.data.prompts))
+
+    @property
+    def student(self) -> PreTrainedModel:
+        return self.acc.unwrap_model(self.module).model
+
+    # --- data --------------------------------------------------------------------------------------------------------
+
+    def batch(self, update: int) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The batch of one update for this process: a deterministic function of (seed, update, rank)."""
+        args, acc = self.args, self.acc
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + update)
+        draw = torch.rand(2, generator=gen).tolist()  # the same source on every process
+        source = "fixed" if draw[0] < args.lambda_fixed else "student" if draw[1] < args.lambda_student else "target"
+        pool = self.data.train if source == "fixed" else self.data.prompts
+        global_batch = args.batch_size * acc.num_processes
+        picks = torch.randint(0, len(pool), (global_batch,), generator=gen).tolist()
+        mine = picks[acc.process_index * args.batch_size : (acc.process_index + 1) * args.batch_size]
+        if source == "fixed":
+            rows, masks = zip(*(pool[i] for i in mine))
+        else:
+            torch.manual_seed(args.seed * 1_000_003 + update * acc.num_processes + acc.process_index)
+            rows, masks = self.generate([pool[i] for i in mine], source)
+        ids, attention, predict = right_pad(list(rows), list(masks), self.eos[0])
+        return source, ids.to(acc.device), attention.to(acc.device), predict.to(acc.device)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[torch.Tensor], source: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Responses sampled at temperature 1 (left-padded batch generation) -> full sequences and response masks
+        (the response up to and including the first EOS)."""
+        model = self.student if source == "student" else self.target
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.eos[0], dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        for b, prompt in enumerate(prompts):
+            ids[b, width - len(prompt):] = prompt
+            attention[b, width - len(prompt):] = 1
+        processors = LogitsProcessorList([VocabMask(self.allowed)] if source == "student" and self.allowed is not None
+                                         else [])
+        was_training = model.training
+        model.eval()
+        out = model.generate(input_ids=ids.to(self.acc.device), attention_mask=attention.to(self.acc.device),
+                             do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=self.args.gen_len,
+                             eos_token_id=self.eos, pad_token_id=self.eos[0], logits_processor=processors)
+        model.train(was_training)
+        rows, masks = [], []
+        for b, prompt in enumerate(prompts):
+            response = out[b, width:].cpu()
+            stops = torch.isin(response, torch.tensor(self.eos)).nonzero()
+            if len(stops):
+                response = response[: int(stops[0]) + 1]
+            rows.append(torch.cat((prompt, response)))
+            masks.append(torch.cat((torch.zeros(len(prompt), dtype=torch.bool), torch.ones(len(response),
+                                                                                           dtype=torch.bool))))
+        return rows, masks
+
+    # --- training ----------------------------------------------------------------------------------------------------
+
+    def target_logits(self, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            logits = self.target(input_ids=ids, attention_mask=attention).logits  # [B, T, V]
+        return logits if self.vocab is None else logits[..., self.vocab]
+
+    def step(self, update: int) -> dict:
+        source, ids, attention, predict = self.batch(update)
+        target = self.target_logits(ids, attention)
+        with self.acc.autocast():
+            draft = self.module(ids, attention)
+        mask = predict
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = self.reference(ids, attention)
+            delta = per_token_fkl(target, draft.detach(), mask) - per_token_fkl(target, ref, mask)
+            mask = mask & adaspec_select(delta, mask, self.args.select_frac)
+        per_position = self.loss(target, draft, mask)
+        count = self.acc.reduce(mask.sum().float(), reduction="sum")
+        loss = per_position.sum() / count.clamp(min=1) * self.acc.num_processes
+        self.acc.backward(loss)
+        if self.args.grad_clip:
+            self.acc.clip_grad_norm_(self.module.parameters(), self.args.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"update": update + 1, "source": source, "loss": loss.item() / self.acc.num_processes,
+                "tokens": int(mask.sum())}
+
+    def train(self) -> None:
+        args = self.args
+        if not self.validation:
+            self.validate()
+        bar = tqdm(total=args.steps, initial=self.progress["updates"], desc=f"distill {args.token_loss}", unit="upd",
+                   disable=not self.acc.is_main_process, dynamic_ncols=True)
+        self.module.train()
+        while self.progress["updates"] < args.steps:
+            t0 = time.perf_counter()
+            record = self.step(self.progress["updates"])
+            self.progress["updates"] += 1
+            self.progress["tokens"] += record["tokens"]
+            self.progress["seconds"] += time.perf_counter() - t0
+            self.progress["sources"][record["source"]] += 1
+            self.history.append(record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", src=record["source"])
+            if self.progress["updates"] % args.save_every == 0 and self.progress["updates"] < args.steps:
+                self.save()
+        bar.close()
+        self.validate()
+        self.save(final=True)
+
+    @torch.no_grad()
+    def validate(self) -> dict:
+        """Mean acceptance rate ``Σ_v min(p(v), q(v))`` at temperature 1 over the held-out response positions, with
+        the target's full distribution p (q = 0 outside the draft vocabulary)."""
+        was_training = self.module.training
+        self.module.eval()
+        total = count = 0.0
+        for ids, mask in self.data.val:
+            ids_b, attention, predict = (t.to(self.acc.device) for t in right_pad([ids], [mask], self.eos[0]))
+            p = self.target(input_ids=ids_b, attention_mask=attention).logits[predict].float().softmax(-1)
+            q_draft = self.module(ids_b, attention)[predict].float().softmax(-1)
+            q = torch.zeros_like(p)
+            q[:, self.vocab if self.vocab is not None else slice(None)] = q_draft
+            total += float(torch.minimum(p, q).sum())
+            count += int(predict.sum())
+        self.module.train(was_training)
+        record = {"updates": self.progress["updates"], "acceptance": total / max(count, 1), "positions": int(count)}
+        self.validation.append(record)
+        log.info("held-out acceptance rate after %d updates: %.3f", record["updates"], record["acceptance"])
+        return record
+
+    # --- checkpoints -------------------------------------------------------------------------------------------------
+
+    def save(self, final: bool = False) -> None:
+        """Resumable state -> out/distill_state (swapped in atomically); at the end the student and distill.json."""
+        acc = self.acc
+        acc.wait_for_everyone()
+        tmp, state, old = self.out / f".{STATE}.tmp", self.out / STATE, self.out / f".{STATE}.old"
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp))
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            atomic_write_json(tmp / "progress.json", {**self.progress, "history": self.history,
+                                                      "validation": self.validation})
+            if state.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(state, old)
+            os.replace(tmp, state)
+            shutil.rmtree(old, ignore_errors=True)
+            if final:
+                save_draft_lm(self.student, self.out, None if self.vocab is None else self.vocab.cpu(),
+                              self.tokenizer, resolve_dtype(self.args.save_dtype))
+                atomic_write_json(self.out / REPORT, {"run": self.run_info, "progress": self.progress,
+                                                      "validation": self.validation, "history": self.history})
+        acc.wait_for_everyone()
+
+    def load(self) -> None:
+        state = self.out / STATE
+        if not state.is_dir() and (self.out / f".{STATE}.old").is_dir():
+            state = self.out / f".{STATE}.old"  # killed between the two renames of save()
+        if not state.is_dir():
+            log.info("no saved state in %s: starting from scratch", self.out)
+            return
+        self.acc.load_state(str(state))
+        saved = json.loads((state / "progress.json").read_text())
+        self.history, self.validation = saved.pop("history"), saved.pop("validation")
+        self.progress = saved
+        log.info("resumed after %d updates", saved["updates"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from accelerate import Accelerator
+
+    kwargs = {"mixed_precision": args.mixed_precision} if args.mixed_precision else {}
+    acc = Accelerator(cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False, **kwargs)
+    out = Path(args.out)
+    if not args.resume and (out / STATE).exists():
+        raise ValueError(f"{out} already holds a distillation run: pass --resume to continue it or use a new --out")
+    out.mkdir(parents=True, exist_ok=True)
+    distiller = Distiller(args, acc)
+    if args.resume:
+        distiller.load()
+    if acc.is_main_process:
+        info = distiller.run_info
+        log.info("distilling a %d-layer student (%.1fM parameters, draft vocabulary %s) with %s for %d updates; "
+                 "data: fixed %.2f, student %.2f of the rest", info["student_layers"],
+                 info["student_parameters"] / 1e6, info["draft_vocab_size"] or "full", args.token_loss, args.steps,
+                 args.lambda_fixed, args.lambda_student)
+    distiller.train()
+    final = distiller.validation
+    if acc.is_main_process:
+        log.info("acceptance rate %.3f -> %.3f; student saved in %s", final[0]["acceptance"], final[-1]["acceptance"],
+                 out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, INPUT_ERRORS))

@@ -1,0 +1,158 @@
+"""Token-level distillation objectives between the target distribution p and the draft distribution q.
+
+Used by every trainer (draft heads and standalone draft LMs): a :class:`TokenLoss` maps target logits, draft logits and
+a mask of the positions to train on to a per-position loss; the caller reduces (sum / count).
+
+    loss = make_token_loss("tvd", temperature=1.0)
+    per_position = loss(target_logits, draft_logits, mask)  # [..., V], [..., V], [...] -> [...] fp32
+
+Objectives (DESIGN §7; p, q at the same temperature):
+
+- ``soft-ce``  ``-Σ p log q`` (the heads' default; FKL plus the entropy of p, so the same gradient)
+- ``fkl``      ``Σ p log(p/q)``
+- ``rkl``      ``Σ q log(q/p)``
+- ``jsd``      ``β·KL(p‖m) + (1−β)·KL(q‖m)`` with ``m = βp + (1−β)q``
+- ``tvd``      ``½ Σ |p − q|`` (a draft's acceptance rate is ``1 − TVD``)
+- ``tvdpp``    TVD++: ``−Σ_v q(v)·sg((r(v) − μ)/σ)`` with reward ``r(v) = 1[p(v) > q(v)]``, ``μ, σ`` the mean and
+  standard deviation of ``r`` over the masked positions × their vocabulary (tokens with a finite target or draft logit)
+
+Everything is computed in fp32 from log-softmax, so a logit gap too large for ``exp`` stays exact. Logits of ``-inf``
+(a reduced draft vocabulary, a context-vocabulary mask) give exact zeros, and every ``0·log 0`` term counts as 0: no
+NaN, no inf, and no gradient through them. A divergence is infinite only where it truly is: FKL / soft-CE where
+``p > 0 = q``, RKL where ``q > 0 = p``; the trainers mask both distributions with the same vocabulary.
+
+AdaSPEC token selection: :func:`per_token_fkl` scores the draft and a frozen reference; :func:`adaspec_select` keeps
+the positions where the draft lags the reference most (``Δ = L_draft − L_ref``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+NAMES = ("soft-ce", "fkl", "rkl", "jsd", "tvd", "tvdpp")
+
+
+def scaled(logits: Tensor, keep: Tensor, temperature: float = 1.0) -> Tensor:
+    """logits [..., V] -> fp32 logits / temperature; rows outside ``keep`` [...] are replaced by zeros (uniform) first,
+    so that an all ``-inf`` padding row cannot produce NaN in the value or the gradient."""
+    x = torch.where(keep[..., None], logits.float(), 0.0)
+    return x / temperature if temperature != 1.0 else x
+
+
+def log_probs(logits: Tensor, keep: Tensor, temperature: float = 1.0) -> Tensor:
+    return F.log_softmax(scaled(logits, keep, temperature), dim=-1)
+
+
+def kl(log_a: Tensor, log_b: Tensor) -> Tensor:
+    """``Σ a log(a/b)`` over the last dim with ``0·log(0/·) = 0``; log-probabilities [..., V] -> [...]."""
+    a = log_a.exp()
+    diff = torch.where(a > 0, log_a - log_b, 0.0)  # finite wherever a = 0, so no 0·inf in value or gradient
+    return (a * diff).sum(-1)
+
+
+def soft_ce(p: Tensor, log_q: Tensor) -> Tensor:
+    """``-Σ p log q`` from probabilities p (soft labels) and log-probabilities q."""
+    return -(p * torch.where(p > 0, log_q, 0.0)).sum(-1)
+
+
+def fkl(log_p: Tensor, log_q: Tensor) -> Tensor:
+    return kl(log_p, log_q)
+
+
+def rkl(log_p: Tensor, log_q: Tensor) -> Tensor:
+    return kl(log_q, log_p)
+
+
+def jsd(log_p: Tensor, log_q: Tensor, beta: float) -> Tensor:
+    a, b = log_p + math.log(beta), log_q + math.log1p(-beta)
+    empty = (a == -torch.inf) & (b == -torch.inf)  # logaddexp's gradient is NaN there, so keep it out
+    log_m = torch.where(empty, -torch.inf, torch.logaddexp(a.masked_fill(empty, 0), b.masked_fill(empty, 0)))
+    return beta * kl(log_p, log_m) + (1 - beta) * kl(log_q, log_m)
+
+
+def tvd(log_p: Tensor, log_q: Tensor) -> Tensor:
+    return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+
+
+def tvdpp(log_p: Tensor, log_q: Tensor, support: Tensor) -> Tensor:
+    """``support`` [..., V] bool: the (masked position, token) pairs the reward statistics are taken over."""
+    p, q = log_p.exp(), log_q.exp()
+    with torch.no_grad():
+        reward = (p > q).float()
+        n = support.sum().clamp(min=1)
+        mean = (reward * support).sum() / n
+        std = (((reward - mean) ** 2 * support).sum() / n).sqrt()
+        advantage = torch.where(support, (reward - mean) / std.clamp(min=1e-6), 0.0)
+    return -(q * advantage).sum(-1)
+
+
+@dataclass(frozen=True)
+class TokenLoss:
+    """``loss(target_logits [..., V], draft_logits [..., V], mask [...]) -> [...]`` fp32, 0 outside the mask."""
+
+    name: str
+    temperature: float = 1.0
+    jsd_beta: float = 0.5
+
+    def __call__(self, target_logits: Tensor, draft_logits: Tensor, mask: Tensor) -> Tensor:
+        keep = mask.bool()
+        with torch.no_grad():
+            target = scaled(target_logits.detach(), keep, self.temperature)
+        log_q = log_probs(draft_logits, keep, self.temperature)
+        if self.name == "soft-ce":  # softmax, not exp(log_softmax): the heads' historical loss to the last bit
+            return torch.where(keep, soft_ce(F.softmax(target, dim=-1), log_q), 0.0)
+        log_p = F.log_softmax(target, dim=-1)
+        if self.name == "tvdpp":
+            finite = torch.isfinite(target_logits) | torch.isfinite(draft_logits)
+            loss = tvdpp(log_p, log_q, finite & keep[..., None])
+        elif self.name == "jsd":
+            loss = jsd(log_p, log_q, self.jsd_beta)
+        else:
+            loss = PAIRWISE[self.name](log_p, log_q)
+        return torch.where(keep, loss, 0.0)
+
+
+PAIRWISE: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"fkl": fkl, "rkl": rkl, "tvd": tvd}
+
+
+def make_token_loss(name: str, temperature: float = 1.0, jsd_beta: float = 0.5) -> TokenLoss:
+    """The objective ``name`` (one of :data:`NAMES`) at ``temperature`` (> 0); ``jsd_beta`` in (0, 1) for ``jsd``."""
+    if name not in NAMES:
+        raise ValueError(f"unknown token loss {name!r}: choose one of {', '.join(NAMES)}")
+    if not temperature > 0:
+        raise ValueError(f"the temperature must be > 0, got {temperature}")
+    if not 0 < jsd_beta < 1:
+        raise ValueError(f"the JSD β must be in (0, 1), got {jsd_beta} (at 0 or 1 JSD is identically 0)")
+    return TokenLoss(name, float(temperature), float(jsd_beta))
+
+
+def per_token_fkl(target_logits: Tensor, draft_logits: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Per-position ``KL(p‖q)`` at temperature 1 [...] (AdaSPEC's token score); 0 outside ``mask`` if given."""
+    keep = torch.ones(target_logits.shape[:-1], dtype=torch.bool, device=target_logits.device) if mask is None \
+        else mask.bool()
+    log_p = log_probs(target_logits.detach(), keep)
+    return torch.where(keep, kl(log_p, log_probs(draft_logits, keep)), 0.0)
+
+
+def adaspec_select(delta: Tensor, mask: Tensor, frac: float) -> Tensor:
+    """Bool mask [...] of the ``ceil(frac · n)`` masked positions with the largest ``delta`` (n = masked count).
+
+    AdaSPEC: ``delta = L_draft − L_ref`` per token; training on the tokens where the draft lags a reference distilled
+    on everything skips the ones it cannot learn anyway. Ties are broken by position (the earliest first).
+    """
+    if not 0 < frac <= 1:
+        raise ValueError(f"the selected fraction must be in (0, 1], got {frac}")
+    keep = mask.bool()
+    n = int(keep.sum())
+    chosen = torch.zeros(keep.numel(), dtype=torch.bool, device=keep.device)
+    if n > 0:
+        scores = torch.where(keep, delta.detach().float(), -torch.inf).flatten()
+        order = torch.sort(scores, descending=True, stable=True).indices[: min(n, math.ceil(frac * n - 1e-9))]
+        chosen[order] = True
+    return chosen.view(keep.shape)
