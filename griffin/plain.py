@@ -1,7 +1,9 @@
 """Plain autoregressive decoding with the same target forward and KV cache as the speculative engine.
 
 The reference point for speedups that isolates speculation from framework overhead (transformers' ``generate`` is the
-other reference).
+other reference). Each decode step computes the target's linear layers with the fastest one-row kernel measured for
+the device and dtype (:func:`griffin.kernels.default_one_row`), so that plain decoding gets the same kernel choice
+that verification gets.
 """
 
 from __future__ import annotations
@@ -9,25 +11,31 @@ from __future__ import annotations
 import torch
 
 from .family import output_logits
+from .kernels import WeightMajorLinears, default_one_row
 from .kv_cache import BufferCache
 from .sampling import SamplingConfig, sample_token
 
 
 @torch.inference_mode()
 def plain_generate(target, ids: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig, eos: torch.Tensor,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
-    """ids [P] -> the new tokens [n] (one target forward per token)."""
+                   generator: torch.Generator | None = None, one_row: str | None = None) -> torch.Tensor:
+    """ids [P] -> the new tokens [n] (one target forward per token). ``one_row``: the kernel of the one-token steps
+    (:data:`griffin.kernels.ONE_ROW_KERNELS`; default: the fastest measured for the target's device and dtype)."""
     decoder = target.get_decoder()
+    weight = target.get_output_embeddings().weight
+    kernels = WeightMajorLinears(target, 0, one_row or default_one_row(weight.device, weight.dtype))
     cache = BufferCache(target.config.get_text_config().num_hidden_layers, ids.shape[0] + max_new_tokens)
     positions = torch.arange(ids.shape[0], device=ids.device)
-    tokens = ids
+    hidden = decoder(input_ids=ids[None], position_ids=positions[None], past_key_values=cache,
+                     use_cache=True).last_hidden_state  # the prompt: F.linear
     new = []
-    for _ in range(max_new_tokens):
-        hidden = decoder(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache,
-                         use_cache=True).last_hidden_state
-        tokens = sample_token(output_logits(target, hidden[0, -1]), sampling, generator)
-        new.append(tokens)
-        if torch.isin(tokens, eos).any():
-            break
-        positions = positions[-1:] + 1
+    with kernels:
+        while True:
+            token = sample_token(output_logits(target, hidden[0, -1]), sampling, generator)
+            new.append(token)
+            if len(new) == max_new_tokens or torch.isin(token, eos).any():
+                break
+            positions = positions[-1:] + 1
+            hidden = decoder(input_ids=token[None], position_ids=positions[None], past_key_values=cache,
+                             use_cache=True).last_hidden_state
     return torch.cat(new)

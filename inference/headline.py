@@ -2,7 +2,7 @@
 
     python -m inference.headline
 
-Reads ``benchmarks/results/<bench>-<head>-T<temp>.json`` for the shipped default head and ``ablation.md``, and
+Reads ``benchmarks/results/<bench>-<head>-T<temp>[-bf16].json`` for the shipped default head and ``ablation.md``, and
 rewrites the text between ``<!-- results:start -->`` and ``<!-- results:end -->`` in README.md.
 """
 
@@ -17,7 +17,8 @@ from griffin.io import atomic_write_text
 from training.cli import run_cli
 
 from .questions import BENCHES
-from .report import markdown_table, tree_text
+from .report import fastest_plain, markdown_table, tree_text
+from .speed import result_stem
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
@@ -25,25 +26,34 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 def section(results_dir: Path, head: str) -> str:
     rows = []
     commands = []
-    for temperature in (0, 1):
-        for bench in BENCHES:
-            path = results_dir / f"{bench}-{head}-T{temperature}.json"
-            if not path.is_file():
-                continue
-            r = json.loads(path.read_text())
-            rows.append([bench, r["temperature"], r["n_prompts"], r["max_new_tokens"], tree_text(r["tree"]), r["tau"],
-                         f"{r['speedup']:.2f}x" if "speedup" in r else "-",
-                         f"{r['tokens_per_s']:.1f}", f"{r['baseline_tokens_per_s']:.1f}" if "speedup" in r else "-",
-                         f"{r['peers']['prompt_lookup']:.2f}x" if "peers" in r else "-",
-                         r.get("identical_fraction", "-"), f"[json]({path.as_posix()})"])
-            commands.append(r["command"])
-            machine = r["machine"]
+    for dtype in ("fp32", "bf16"):
+        for temperature in (0, 1):
+            for bench in BENCHES:
+                path = results_dir / f"{result_stem(bench, head, temperature, dtype)}.json"
+                if not path.is_file():
+                    continue
+                r = json.loads(path.read_text())
+                best = fastest_plain(r)
+                plain = [f"{r[k]:.1f}" if k in r else "-" for k in ("baseline_tokens_per_s", "own_loop_tokens_per_s")]
+                rows.append([bench, r["temperature"], r.get("dtype", dtype), r["n_prompts"], r["max_new_tokens"],
+                             tree_text(r["tree"]), r["tau"], f"**{best[0]:.2f}x** ({best[1]})" if best else "-",
+                             f"{r['tokens_per_s'] / r['baseline_tokens_per_s']:.2f}x" if "baseline_tokens_per_s" in r
+                             else "-", f"{r['tokens_per_s']:.1f}", *plain,
+                             f"{r['peers']['prompt_lookup']:.2f}x" if "peers" in r else "-",
+                             r.get("identical_fraction", "-"), f"[json]({path.as_posix()})"])
+                commands.append(r["command"])
+                machine = r["machine"]
     if not rows:
         return "No headline speed runs yet.\n\n" + costs(results_dir)
-    text = (f"Head `checkpoints/{head}` on its fp32 target, one process per run, every method timed side by side "
-            f"after a warm-up on {machine['cpu']} ({machine['cores']} cores, torch {machine['torch']}).\n\n")
-    text += markdown_table(["bench", "T", "prompts", "max new", "tree", "τ", "speedup vs HF generate", "tokens/s",
-                            "HF generate tokens/s", "prompt lookup speedup", "identical", "file"], rows)
+    text = (f"Head `checkpoints/{head}`, one process per run, every method timed side by side after a warm-up, the "
+            f"target in the dtype shown for all of them, on {machine['cpu']} ({machine['cores']} cores, torch "
+            f"{machine['torch']}). The headline speedup is against the fastest plain decoding of the same run: the "
+            "higher tokens/s of transformers `generate` and our plain loop (which uses the fastest one-row kernel, "
+            "[plain-kernel.md](benchmarks/results/plain-kernel.md)). Speedups are ratios of tokens/s (at T=0 the "
+            "same as ratios of wall time, since every method writes the same tokens).\n\n")
+    text += markdown_table(["bench", "T", "dtype", "prompts", "max new", "tree", "τ", "speedup vs fastest plain",
+                            "speedup vs HF generate", "tokens/s", "HF generate tokens/s", "plain loop tokens/s",
+                            "prompt lookup speedup", "identical", "file"], rows)
     once = dict.fromkeys(commands)  # in order, each once: one `--bench all` run writes several files
     text += "\nτ: new tokens per target forward pass. Commands:\n\n" + "".join(f"- `{c}`\n" for c in once)
     ablation = results_dir / "ablation.md"

@@ -1,4 +1,8 @@
-"""The evaluation question sets (vendored under ``inference/data``; never used for training)."""
+"""The evaluation question sets (vendored under ``inference/data``; never used for training).
+
+``BENCHES`` are the three sets the papers report on (``--bench all``); ``EXTRA_BENCHES`` are task types beyond them
+(translation, summarisation, question answering over a passage), written for this project.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,13 @@ from pathlib import Path
 
 DATA = Path(__file__).resolve().parent / "data"
 BENCHES = ("mt_bench", "humaneval", "gsm8k")
+EXTRA_BENCHES = ("extra_tasks",)
 
 
 def load_questions(bench: str, limit: int | None = None) -> list[dict]:
     """Questions of a bench: ``question_id``, ``category``, ``turns`` (user turns)."""
-    if bench not in BENCHES:
-        raise ValueError(f"unknown bench {bench!r}: choose from {', '.join(BENCHES)} or all")
+    if bench not in BENCHES + EXTRA_BENCHES:
+        raise ValueError(f"unknown bench {bench!r}: choose from {', '.join(BENCHES + EXTRA_BENCHES)} or all")
     lines = (DATA / bench / "question.jsonl").read_text().splitlines()
     questions = [json.loads(line) for line in lines if line.strip()]
     return questions[:limit] if limit else questions

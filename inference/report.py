@@ -32,6 +32,7 @@ def machine_info() -> dict:
         "transformers": transformers.__version__,
         "platform": platform.platform(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "load_average_1m": round(os.getloadavg()[0], 2),  # other processes sharing the cores when this finished
     }
     return info
 
@@ -64,3 +65,14 @@ def write_benchmark(out_dir: str | Path, stem: str, result: dict, markdown: str)
     atomic_write_json(Path(out_dir) / f"{stem}.json", result)
     atomic_write_text(Path(out_dir) / f"{stem}.md", markdown)
     print(markdown)
+
+
+def fastest_plain(result: dict) -> tuple[float, str] | None:
+    """A speed run's speedup over the fastest plain decoding it timed (``generate`` or our plain loop) and which one
+    that was; computed from the tokens/s columns for runs written before the field existed."""
+    rates = {name: result[key] for name, key in (("generate", "baseline_tokens_per_s"),
+                                                 ("own loop", "own_loop_tokens_per_s")) if key in result}
+    if not rates:
+        return None
+    name = max(rates, key=rates.get)
+    return result["tokens_per_s"] / rates[name], name

@@ -77,7 +77,7 @@ from griffin.target import EMBEDDED_TARGET, cache_dir, file_lock, load_target, r
 from griffin.tree import Tree
 from training.cli import run_cli
 
-from .questions import BENCHES, load_questions
+from .questions import BENCHES, EXTRA_BENCHES, load_questions
 from .report import command_line, machine_info, markdown_table, write_benchmark
 
 CONTINUATIONS = Path("benchmarks/results/continuations")
@@ -102,15 +102,17 @@ class Sample:
 
 
 def load_bench(bench: str, limit: int | None = None) -> tuple[str, list[dict]]:
-    """A bench name (``mt_bench``, ``humaneval``, ``gsm8k``) or a prompt file -> (its name in file names, questions).
+    """A bench name (``mt_bench``, ``humaneval``, ``gsm8k``, ``extra_tasks``) or a prompt file -> (its name in file
+    names, questions).
 
     Prompt files: ``.jsonl`` with ``turns`` (a list of user turns) or ``prompt`` per line, or ``.txt`` with one
     prompt per line. Questions have ``question_id`` and ``turns``."""
-    if bench in BENCHES:
+    if bench in BENCHES + EXTRA_BENCHES:
         return bench, load_questions(bench, limit)
     path = Path(bench)
     if not path.is_file():
-        raise FileNotFoundError(f"unknown bench {bench!r}: choose from {', '.join(BENCHES)} or pass a prompt file "
+        raise FileNotFoundError(f"unknown bench {bench!r}: choose from {', '.join(BENCHES + EXTRA_BENCHES)} or pass a "
+                                "prompt file "
                                 "(.jsonl with 'turns' or 'prompt' per line, or .txt with one prompt per line)")
     text = path.read_text()
     lines = [line for line in text.splitlines() if line.strip()]
@@ -504,7 +506,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heads", nargs="*", default=[], help="head folders (none: only build the continuations)")
     p.add_argument("--bench", default="mt_bench",
-                   help=f"{', '.join(BENCHES)}, or a prompt file (.jsonl with 'turns' or 'prompt', .txt)")
+                   help=f"{', '.join(BENCHES + EXTRA_BENCHES)}, or a prompt file (.jsonl with 'turns' or 'prompt', "
+                        ".txt)")
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0])
     p.add_argument("--limit", type=int, default=None, help="only the first n questions")
     p.add_argument("--max-new-tokens", type=int, default=128)

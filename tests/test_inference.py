@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from griffin import DraftConfig, DraftModel, SpecGenerator
@@ -71,8 +72,11 @@ def test_speed_run_writes_results(tmp_path, embedded):
     result = json.loads((tmp_path / "results" / "gsm8k-head-T0.json").read_text())
     for key in ("bench", "target", "draft", "temperature", "max_new_tokens", "n_prompts", "tau", "speedup",
                 "speedup_vs_own_loop", "tokens_per_s", "baseline_tokens_per_s", "identical_fraction", "peers",
-                "machine", "command"):
+                "machine", "command", "speedup_vs_fastest_plain", "own_loop_identical_fraction"):
         assert key in result, key
+    plain = max(result["baseline_tokens_per_s"], result["own_loop_tokens_per_s"])
+    assert result["speedup_vs_fastest_plain"] == pytest.approx(result["tokens_per_s"] / plain)
+    assert result["fastest_plain"] in ("baseline", "own_loop")
     assert result["identical_fraction"] == 1.0 and result["n_prompts"] == 1
     assert result["command"].startswith("python -m inference.speed --bench gsm8k --draft")
     assert (tmp_path / "results" / "gsm8k-head-T0.md").read_text().startswith("# gsm8k")
@@ -84,7 +88,8 @@ def test_speed_run_writes_results(tmp_path, embedded):
 def fake_result(bench: str, draft: str, temperature: float, tau: float) -> dict:
     return {"bench": bench, "target": "smollm2-135m-instruct", "draft": draft, "temperature": temperature,
             "max_new_tokens": 128, "n_prompts": 80, "tau": tau, "tokens_per_s": 30.0, "speedup": 2.0,
-            "baseline_tokens_per_s": 15.0, "peers": {"prompt_lookup": 1.1}, "identical_fraction": 1.0,
+            "baseline_tokens_per_s": 15.0, "own_loop_tokens_per_s": 20.0, "peers": {"prompt_lookup": 1.1},
+            "identical_fraction": 1.0,
             "tree": {"depth": 5, "top_k": 8, "total_tokens": 24}, "command": f"python -m inference.speed {bench}",
             "machine": {"cpu": "cpu", "cores": 2, "torch": "2.13", "date": "today"},
             "per_prompt": [{"tau": tau - 0.1}, {"tau": tau + 0.1}]}  # standard error 0.1
@@ -112,7 +117,11 @@ def test_ablation_report_and_readme_section(tmp_path):
     assert headline.main(["--readme", str(readme), "--results", str(results)]) == 0
     text = readme.read_text()
     assert "old" not in text and text.endswith("rest\n")
-    assert "| mt_bench | 0.00 | 80 | 128 | 24 nodes, depth 5 | 3.50 |" in text
+    assert "| mt_bench | 0.00 | fp32 | 80 | 128 | 24 nodes, depth 5 | 3.50 | **1.50x** (own loop) | 2.00x |" in text
+    from inference.speed import result_stem
+
+    assert result_stem("gsm8k", "h", 0.0, "fp32") == "gsm8k-h-T0" and result_stem("gsm8k", "h", 1.0, "bf16") == \
+        "gsm8k-h-T1-bf16"
     assert "ablation.md)" in text and "| GRIFFIN | 3.00 ± 0.10 |" in text
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from griffin.kernels import WeightMajorLinears, default_max_rows
+from griffin.kernels import ONE_ROW_KERNELS, WeightMajorLinears, default_max_rows, default_one_row
+from griffin.plain import plain_generate
+from griffin.sampling import SamplingConfig
 from tests.conftest import tiny_model
 
 
@@ -54,3 +57,36 @@ def test_a_whole_model_gives_the_same_logits_and_nothing_is_switched_when_off():
         hooked.forward = hooked.forward  # an instance-level forward, as accelerate's hooks install
         assert hooked not in WeightMajorLinears(model, max_rows=8).linears
     assert default_max_rows(torch.device("cpu")) >= 2 and default_max_rows(torch.device("meta")) == 0
+
+
+@pytest.mark.parametrize("kernel", ONE_ROW_KERNELS)
+def test_one_row_kernels_give_the_values_of_f_linear(kernel, monkeypatch):
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 96).eval()
+    calls = []
+    real_linear = F.linear
+    monkeypatch.setattr(F, "linear", lambda *a, **k: calls.append(1) or real_linear(*a, **k))
+    with torch.inference_mode():
+        x = torch.randn(1, 1, 48)
+        expected = real_linear(x, layer.weight, layer.bias)
+        with WeightMajorLinears(layer, max_rows=0, one_row=kernel) as switched:
+            got = layer(x)
+            two_rows = layer(torch.randn(1, 2, 48))  # max_rows=0: more than one row keeps F.linear
+    assert switched.linears == ([] if kernel == "linear" else [layer])  # nothing to switch for F.linear alone
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert len(calls) == (2 if kernel == "linear" else 1) and two_rows.shape == (1, 2, 96)
+    with pytest.raises(ValueError, match="one_row"):
+        WeightMajorLinears(layer, 8, one_row="fast")
+    assert default_one_row(torch.device("meta"), torch.float32) == "linear"
+
+
+@pytest.mark.parametrize("kernel", ONE_ROW_KERNELS)
+def test_plain_loop_with_each_one_row_kernel_equals_generate(kernel):
+    model = tiny_model("llama", vocab_size=128, seed=3)
+    ids = torch.randint(0, 128, (7,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = model.generate(ids[None], max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 7:]
+    got = plain_generate(model, ids, 12, SamplingConfig(0.0), torch.tensor([], dtype=torch.long), one_row=kernel)
+    assert got.tolist() == expected.tolist()
+    assert all("forward" not in vars(m) for m in model.modules())

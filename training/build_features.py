@@ -1,9 +1,12 @@
 """Run the target over chat data and store its last hidden states, token ids and assistant-only loss masks.
 
     python -m training.build_features --out features/smollm2 --max-samples 4000 --max-len 1024
+    python -m training.build_features --out features/smollm2 --max-len 1024 --shards 8:12   # shards 8..11 only
     accelerate launch -m training.build_features --out ...        # many GPUs: shards are split across processes
 
-A killed run resumes where it stopped when rerun with the same arguments.
+A killed run resumes where it stopped when rerun with the same arguments. ``--shards START:END`` builds only those
+shards (records ``[START*S, END*S)``) into the store and leaves it without a manifest, so that a long build can be
+done (and consumed, see ``training.recipe``) a group of shards at a time.
 """
 
 from __future__ import annotations
@@ -62,7 +65,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat-template", default=None,
                    help="override the tokenizer's chat template: chatml, llama-2, llama-3, vicuna or a .jinja file")
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom modeling code of the target")
-    return p.parse_args(argv)
+    p.add_argument("--shards", default=None,
+                   help="START:END: build only shards START..END-1 and write no manifest (the store stays partial)")
+    args = p.parse_args(argv)
+    args.shard_range = None
+    if args.shards is not None:
+        try:
+            start, end = (int(x) for x in args.shards.split(":"))
+            assert 0 <= start < end
+        except (ValueError, AssertionError):
+            p.error("--shards must look like START:END with 0 <= START < END")
+        args.shard_range = (start, end)
+    return args
 
 
 def build_settings(args: argparse.Namespace, model, tokenizer, compute_dtype: torch.dtype) -> dict:
@@ -230,6 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             build_shards(args, out, state, tokenizer, model.get_decoder(), storage_dtype, device, settings)
         state.wait_for_everyone()
+        if args.shard_range is not None:
+            start, end = args.shard_range
+            done = sum((out / shard_name(i)).is_file() for i in range(start, end))
+            log.info("%s: %d of shards %d..%d are built (a partial store: no manifest)", out, done, start, end - 1)
+            return 0
         if state.is_main_process:
             shards = sorted(p.name for p in out.glob("shard-*.safetensors"))
             manifest = write_manifest(out, settings, shards) if not (out / MANIFEST).is_file() else read_json(
@@ -243,11 +262,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def build_shards(args, out: Path, state, tokenizer, decoder, storage_dtype, device, settings) -> None:
     records = chain.from_iterable(iter_records(source) for source in args.data)
-    if args.max_samples is not None:
-        records = islice(records, args.max_samples)
-    progress = Progress(args.max_samples, disable=not state.is_main_process)
+    first, stop = 0, args.max_samples
+    if args.shard_range is not None:
+        first = args.shard_range[0]
+        end = args.shard_range[1] * args.shard_size
+        stop = end if stop is None else min(stop, end)
+    if stop is not None:
+        records = islice(records, stop)
+    progress = Progress(stop, disable=not state.is_main_process)
     for stale in out.glob(".shard-*.tmp"):  # left by a killed run; never visible as shards
-        if int(stale.name.split("-")[1].split(".")[0]) % state.num_processes == state.process_index:
+        index = int(stale.name.split("-")[1].split(".")[0])
+        inside = first <= index and (stop is None or index * args.shard_size < stop)
+        if index % state.num_processes == state.process_index and inside:
             stale.unlink(missing_ok=True)
     written = 0
     shard_index = 0
@@ -257,7 +283,7 @@ def build_shards(args, out: Path, state, tokenizer, decoder, storage_dtype, devi
             break
         path = out / shard_name(shard_index)
         mine = shard_index % state.num_processes == state.process_index
-        if not mine or (path.is_file() and shard_is_sound(path)):
+        if not mine or shard_index < first or (path.is_file() and shard_is_sound(path)):
             progress.skip(len(chunk))
         else:
             items, stats = process_shard(chunk, tokenizer, decoder, args, storage_dtype, device, progress)

@@ -25,7 +25,7 @@ from griffin.draft import DraftModel
 from griffin.io import atomic_write, atomic_write_json, atomic_write_text
 from griffin.official import save_official
 from griffin.target import load_target_head, resolve_dtype
-from inference.report import markdown_table, tree_text
+from inference.report import fastest_plain, markdown_table, tree_text
 
 from .cli import run_cli
 from .train import VALIDATION
@@ -98,11 +98,15 @@ def card(name: str, dst: Path, head: DraftModel, report: dict, results: list[dic
     lines += ["`kept`: fraction of positions still in the loss at that pass (the alignment mask).", ""]
     if results:
         lines += ["## Measured acceptance length and speed", ""]
-        rows = [[r["bench"], r["temperature"], r["n_prompts"], r["max_new_tokens"],
-                 tree_text(r["tree"]), r["tau"],
-                 r.get("speedup", "-"), r.get("identical_fraction", "-"), r["machine"]["date"]] for r in results]
-        lines.append(markdown_table(["bench", "T", "prompts", "max new", "tree", "τ", "speedup vs HF generate",
-                                     "identical", "measured"], rows))
+        rows = []
+        for r in results:
+            best = fastest_plain(r)
+            rows.append([r["bench"], r["temperature"], r.get("dtype", "fp32"), r["n_prompts"], r["max_new_tokens"],
+                         tree_text(r["tree"]), r["tau"], f"{best[0]:.2f} ({best[1]})" if best else "-",
+                         r.get("speedup", "-"), r.get("identical_fraction", "-"), r["machine"]["date"]])
+        lines.append(markdown_table(["bench", "T", "dtype", "prompts", "max new", "tree", "τ",
+                                     "speedup vs fastest plain", "speedup vs HF generate", "identical", "measured"],
+                                    rows))
         commands = dict.fromkeys(r["command"] for r in results)  # in order, once (`--bench all` writes several)
         lines += ["Commands:", ""] + [f"- `{c}`" for c in commands] + [""]
     lines += ["## Use", "", "```python", "from griffin import SpecGenerator",
@@ -156,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_json(dst / STAGES, stages)
     files = [f for folder in args.results for f in Path(folder).glob(f"*-{dst.name}-T*.json")]
     results = sorted((json.loads(f.read_text()) for f in files),
-                     key=lambda r: (r["bench"], r["temperature"], r["tree"]["total_tokens"]))
+                     key=lambda r: (r["bench"], r["temperature"], r.get("dtype", "fp32"), r["tree"]["total_tokens"]))
     text = card(args.name or head.config.arch, dst, head, report, results, stages, args.notes, args.format,
                 args.dtype)
     atomic_write_text(dst / "README.md", text)

@@ -5,9 +5,15 @@ model's) matches the contexts it will see. Takes the first user turn of each usa
 target (greedy by default) and writes ShareGPT-format JSON Lines that ``training.build_features --data`` reads::
 
     python -m training.regenerate --out data/regen --max-samples 6000 --dtype bf16
+    python -m training.regenerate --out data/regen --parts 8:16 --dtype bf16     # only parts 8..15 (records 2048..)
+    python -m training.regenerate --out data/regen --engine speculative          # our engine with the shipped head
 
-Work is written in parts of ``--part-size`` prompts (each renamed into place when complete); a rerun resumes. The
-merged file is ``OUT/conversations.jsonl``.
+Work is written in parts of ``--part-size`` source records (part i answers records [i*S, (i+1)*S); each renamed into
+place when complete); a rerun resumes. The merged file is ``OUT/conversations.jsonl`` (not written with ``--parts``).
+``--engine generate`` answers ``--batch-size`` prompts per transformers ``generate`` call (left-padded, optionally with
+a static KV cache); ``--engine speculative`` answers one prompt at a time with :class:`griffin.SpecGenerator` (greedy
+only: the same tokens as ``generate`` on one prompt). The log ends with the generation throughput in new tokens/s
+(``benchmarks/results/pipeline-throughput.md`` compares the settings on one machine).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from itertools import islice
 from pathlib import Path
 
@@ -49,7 +56,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default=None)
     p.add_argument("--shard", default="0/1", help="i/n: this process answers parts i, i+n, ... (run n processes)")
+    p.add_argument("--parts", default=None, help="START:END: answer only parts START..END-1")
+    p.add_argument("--engine", default="generate", choices=["generate", "speculative"])
+    p.add_argument("--cache", default="dynamic", choices=["dynamic", "static"],
+                   help="KV cache of transformers generate (--engine generate)")
+    p.add_argument("--draft", default=None, help="head of --engine speculative (default: the shipped one)")
     args = p.parse_args(argv)
+    try:
+        start, end = (args.parts or "0:").split(":")
+        args.part_range = (int(start or 0), int(end) if end else None)
+        assert args.part_range[0] >= 0 and (args.part_range[1] is None or args.part_range[1] > args.part_range[0])
+    except (ValueError, AssertionError):
+        p.error("--parts must look like START:END with 0 <= START < END")
+    if args.engine == "speculative" and args.temperature > 0:
+        p.error("--engine speculative regenerates greedily only (--temperature 0)")
     try:
         args.shard_index, args.num_shards = (int(x) for x in args.shard.split("/"))
         assert 0 <= args.shard_index < args.num_shards
@@ -67,15 +87,29 @@ def first_turn(record) -> list[dict[str, str]]:
 
 
 @torch.inference_mode()
-def answer(model, tokenizer, prompts: list[list[dict]], args, generator_seed: int) -> list[str]:
+def answer(model, tokenizer, prompts: list[list[dict]], args, generator_seed: int) -> tuple[list[str], int]:
+    """-> the answers and the number of tokens generated (each up to and including its end-of-sequence token)."""
     texts = [render(tokenizer, m, add_generation_prompt=True) for m in prompts]
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     torch.manual_seed(generator_seed)
     sample = args.temperature > 0
     out = model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=sample,
                          temperature=args.temperature if sample else None, top_p=None, top_k=None,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         cache_implementation="static" if args.cache == "static" else None)
+    new = out[:, enc["input_ids"].shape[1]:]
+    ended = (new == tokenizer.eos_token_id).int()
+    lengths = torch.where(ended.any(1), ended.argmax(1) + 1, new.shape[1])
+    return tokenizer.batch_decode(new, skip_special_tokens=True), int(lengths.sum())
+
+
+def answer_speculative(gen, prompts: list[list[dict]], args) -> tuple[list[str], int]:
+    texts, count = [], 0
+    for messages in prompts:
+        out = gen.generate(gen.encode(messages), max_new_tokens=args.max_new_tokens)
+        texts.append(out.text)
+        count += out.stats.new_tokens
+    return texts, count
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,15 +119,22 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_target(args.target, dtype=args.dtype)
     set_chat_template(tokenizer, args.chat_template)
     tokenizer.padding_side = "left"
+    gen = None
+    if args.engine == "speculative":
+        from griffin import SpecGenerator
+
+        gen = SpecGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer)
+    first, last = args.part_range
     records = iter_records(args.data)
-    if args.max_samples is not None:
-        records = islice(records, args.max_samples)
-    bar = tqdm(total=args.max_samples, unit="rec", desc="regenerate", dynamic_ncols=True)
+    stop = args.max_samples if last is None else min(last * args.part_size, args.max_samples or last * args.part_size)
+    if stop is not None:
+        records = islice(records, stop)
+    bar = tqdm(total=stop, unit="rec", desc="regenerate", dynamic_ncols=True)
     part = 0
-    new_tokens = 0
+    new_tokens, seconds = 0, 0.0
     while chunk := list(islice(records, args.part_size)):
         path = out / f"part-{part:05d}.jsonl"
-        if part % args.num_shards == args.shard_index and not path.is_file():
+        if part >= first and part % args.num_shards == args.shard_index and not path.is_file():
             prompts, ids = [], []
             for j, record in enumerate(chunk):
                 try:
@@ -108,18 +149,29 @@ def main(argv: list[str] | None = None) -> int:
             lines = {}
             for b in range(0, len(order), args.batch_size):
                 batch = order[b : b + args.batch_size]
-                answers = answer(model, tokenizer, [prompts[k] for k in batch], args, args.seed + part * 1000 + b)
+                t0 = time.perf_counter()
+                if gen is None:
+                    answers, count = answer(model, tokenizer, [prompts[k] for k in batch], args,
+                                            args.seed + part * 1000 + b)
+                else:
+                    answers, count = answer_speculative(gen, [prompts[k] for k in batch], args)
+                seconds += time.perf_counter() - t0
+                new_tokens += count
                 for k, text in zip(batch, answers):
                     turns = [{"from": "system" if m["role"] == "system" else "human", "value": m["content"]}
                              for m in prompts[k]]
                     lines[k] = json.dumps({"id": ids[k], "conversations": turns + [{"from": "gpt", "value": text}]})
-                    new_tokens += len(tokenizer(text, add_special_tokens=False)["input_ids"])
-                bar.set_postfix(new_tokens=new_tokens)
+                bar.set_postfix(new_tokens=new_tokens, tok_s=f"{new_tokens / seconds:.0f}")
             body = "".join(lines[k] + "\n" for k in sorted(lines))
             atomic_write_text(path, body)
         bar.update(len(chunk))
         part += 1
     bar.close()
+    if new_tokens:
+        log.info("generated %d new tokens in %.1f s: generation throughput %.1f tokens/s", new_tokens, seconds,
+                 new_tokens / seconds)
+    if args.parts is not None:
+        return 0
     parts = sorted(out.glob("part-*.jsonl"))
     if len(parts) < part:
         print(f"{part - len(parts)} parts are still being answered by other processes; the last one to finish "

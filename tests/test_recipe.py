@@ -1,0 +1,102 @@
+"""training.recipe and the pieces it streams with: shard ranges of build_features, part ranges of regenerate, and a
+run that continues on a fresh machine from the committed heads without rebuilding what they consumed."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import shutil
+
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import run_main
+from tests.test_features import conversations, shards_equal, write_data
+from training import recipe
+
+
+def test_shard_ranges_build_the_shards_of_a_full_run_and_no_manifest(tmp_path, tiny_target_dir):
+    data = write_data(tmp_path / "d.json", conversations(6, words=12))
+    args = ["--target", str(tiny_target_dir), "--data", data, "--max-len", "128", "--shard-size", "2"]
+    assert run_main("training.build_features", *args, "--out", str(tmp_path / "ref"))[0] == 0
+    out = tmp_path / "ranged"
+    assert run_main("training.build_features", *args, "--out", str(out), "--shards", "2:3")[0] == 0
+    assert sorted(p.name for p in out.glob("shard-*")) == ["shard-00002.safetensors"]
+    assert not (out / "manifest.json").exists()
+    assert run_main("training.build_features", *args, "--out", str(out))[0] == 0  # fills in shards 0 and 1
+    assert shards_equal(tmp_path / "ref", out)
+    code, err = run_main("training.build_features", *args, "--out", str(out), "--shards", "3:1")
+    assert code == 2 and "--shards" in err
+
+
+def test_regenerate_answers_only_the_parts_asked_for(tmp_path, tiny_target_dir, caplog):
+    data = write_data(tmp_path / "d.json", conversations(6, words=6))
+    out = tmp_path / "regen"
+    caplog.set_level(logging.INFO, logger="regenerate")
+    code, err = run_main("training.regenerate", "--target", str(tiny_target_dir), "--data", data, "--out", str(out),
+                         "--parts", "1:2", "--part-size", "2", "--max-new-tokens", "4")
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["part-00001.jsonl"]  # no merged file with --parts
+    lines = [json.loads(x) for x in (out / "part-00001.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in lines] == ["2", "3"] and [t["from"] for t in lines[0]["conversations"]] == ["human", "gpt"]
+    assert "generation throughput" in caplog.text
+
+
+def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, tiny_target_dir, monkeypatch):
+    calls = []
+
+    def in_process(module: str, *argv: str) -> None:  # the recipe's steps, without a process each
+        calls.append((module, argv))
+        assert importlib.import_module(module).main(list(argv)) == 0
+
+    monkeypatch.setattr(recipe, "python", in_process)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in conversations(8, words=10)))
+    ckpt = tmp_path / "ckpt"
+    args = ["--target", str(tiny_target_dir), "--data", str(data), "--checkpoints", str(ckpt), "--shard-records",
+            "4", "--chunk-shards", "1", "--stage-chunks", "3,1,0.01", "--regen-records", "2", "--regen-new-tokens", "4",
+            "--max-len", "128", "--draft-vocab", "512", "--batch-size", "2"]
+    machine = {"--work": str(tmp_path / "work"), "--sharegpt-store": str(tmp_path / "sharegpt")}
+    argv = args + [x for kv in machine.items() for x in kv]
+    assert recipe.main(argv + ["--chunks", "1"]) == 0
+    state = json.loads((ckpt / "recipe.json").read_text())
+    # chunks: ShareGPT group 0, answers to group 0, ShareGPT group 1, answers to group 1
+    assert state["settings"]["chunks"] == 4 and state["settings"]["stage_ends"] == [3, 4, 4]
+    assert {k: v["chunks"] for k, v in state["heads"].items()} == {"griffin-s1": [0], "eagle-s1": [0]}
+    assert not (tmp_path / "work" / "regen").exists()  # chunk 0 is ShareGPT's
+    head = load_file(str(ckpt / "wip-griffin-s1" / "model.safetensors"))
+    assert all(t.dtype == torch.float16 for t in head.values() if t.is_floating_point())
+
+    for folder in machine.values():  # a fresh machine: only the committed folder is left
+        shutil.rmtree(folder)
+    calls.clear()
+    assert recipe.main(argv) == 0
+    state = json.loads((ckpt / "recipe.json").read_text())
+    stage1 = [0, 1, 2]
+    assert {k: v["chunks"] for k, v in state["heads"].items()} == {
+        "griffin-s1": stage1, "eagle-s1": stage1, "griffin": stage1 + [3], "griffin-k1": stage1 + [3],
+        "eagle-tat": stage1 + [3], "hass": stage1 + [3], "eagle2": stage1 + [3]}
+    built = [a for m, a in calls if m == "training.build_features" and "--shards" in a]
+    assert [a[a.index("--shards") + 1] for a in built] == ["1:2"]  # chunk 0 is never rebuilt
+    assert sorted(p.name for p in (tmp_path / "sharegpt").glob("shard-*")) == ["shard-00001.safetensors"]
+    regen = [a[a.index("--parts") + 1] for m, a in calls if m == "training.regenerate"]
+    assert regen == ["0:1", "1:2"]
+    first = json.loads((tmp_path / "work" / "runs" / "griffin-s1" / "chunk-001" / "validation.json").read_text())
+    assert first["run"]["init_from"] == str(ckpt / "wip-griffin-s1")  # the committed head after chunk 0
+    run = json.loads((tmp_path / "work" / "runs" / "griffin" / "chunk-003" / "validation.json").read_text())["run"]
+    assert run["init_from"] == str(tmp_path / "work" / "runs" / "griffin-s1" / "chunk-002")
+    assert run["steps"] == 2 and run["topk"] == 3
+    hass = json.loads((tmp_path / "work" / "runs" / "hass" / "chunk-003" / "validation.json").read_text())["run"]
+    assert hass["arch"] == "eagle" and hass["topk"] == 0 and hass["steps"] == 2
+    stages = json.loads((ckpt / "wip-griffin" / "stages.json").read_text())
+    assert [s["run"]["steps"] for s in stages] == [1, 1, 1, 2]
+    assert "GRIFFIN" in (ckpt / "wip-griffin" / "README.md").read_text()
+    assert "Learning curve" in (ckpt / "README.md").read_text()
+    assert [r["head"] for r in state["curve"]][:2] == ["griffin-s1", "eagle-s1"] and len(state["curve"]) == 11
+    assert [t["kind"] for t in state["timings"]] == ["sharegpt", "regen", "sharegpt", "regen"]
+
+    calls.clear()
+    assert recipe.main(argv) == 0 and calls == []  # all done: nothing runs
+    code, err = run_main("training.recipe", *argv, "--chunk-shards", "2")
+    assert code == 2 and "other settings" in err

