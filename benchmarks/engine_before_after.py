@@ -1,7 +1,7 @@
 """CPU speed of the speculative engine before and after a change, side by side on the embedded target.
 
-    git archive <base commit> | tar -x -C /tmp/base
-    python benchmarks/engine_before_after.py --base /tmp/base --trees 1,8,3 5,8,24 --repeats 3
+    git archive <base commit> | tar -x -C ../base
+    python benchmarks/engine_before_after.py --base ../base --trees 1,8,3 5,8,24 --repeats 3
 
 Each side is a code tree (``--base`` and this checkout). For every tree shape, temperature and repeat, each side runs
 in its own process, one after the other: the embedded SmolLM2 target (fp32, one thread) with its shipped GRIFFIN head

@@ -1,8 +1,8 @@
 """Distillation objectives on our target: GRIFFIN heads fine-tuned from one initial head with each token objective.
 
-    python -m inference.distill_heads --train --features /work/data/features-distill --heads /work/data/distill-heads
-    python -m inference.distill_heads --evaluate --heads /work/data/distill-heads    # τ of every head (inference.tau)
-    python -m inference.distill_heads --heads /work/data/distill-heads               # only rebuild the report
+    python -m inference.distill_heads --train --features work/features-distill --heads work/distill-heads
+    python -m inference.distill_heads --evaluate --heads work/distill-heads    # τ of every head (inference.tau)
+    python -m inference.distill_heads --heads work/distill-heads               # only rebuild the report
 
 Every head starts from ``--init`` (the shipped GRIFFIN head) and gets the same data, schedule and budget (one
 ``training.train`` run each, K=3, top-3 alignment mask, the init head's draft vocabulary); only the token loss
@@ -48,8 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--train", action="store_true", help="train the missing heads first")
     p.add_argument("--evaluate", action="store_true", help="measure τ of the heads without results first")
-    p.add_argument("--features", default="/work/data/features-distill", help="feature store of the fine-tuning")
-    p.add_argument("--heads", default="/work/data/distill-heads", help="folder of the fine-tuned heads")
+    p.add_argument("--features", default="work/features-distill", help="feature store of the fine-tuning")
+    p.add_argument("--heads", default="work/distill-heads", help="folder of the fine-tuned heads")
     p.add_argument("--init", default="checkpoints/smollm2-135m-instruct-griffin", help="the initial head of all")
     p.add_argument("--objectives", default=",".join(OBJECTIVES), help="heads to train / evaluate, comma-separated")
     p.add_argument("--epochs", type=int, default=1)

@@ -92,9 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=EMBEDDED_TARGET)
     p.add_argument("--data", default=DEFAULT_DATA, help="ShareGPT-format conversations (default: the wheel's)")
-    p.add_argument("--work", default="/work/data/recipe", help="local work folder (regenerated text, chunk "
+    p.add_argument("--work", default="work/recipe", help="local work folder (regenerated text, chunk "
                    "features, training runs); lost with the machine")
-    p.add_argument("--sharegpt-store", default="/work/data/features-sharegpt",
+    p.add_argument("--sharegpt-store", default="work/features-sharegpt",
                    help="the feature store of all ShareGPT records, built a chunk at a time (shared, never deleted)")
     p.add_argument("--checkpoints", default="checkpoints/smollm2-135m-instruct-wip",
                    help="where the heads and recipe.json are exported (and committed with --commit)")

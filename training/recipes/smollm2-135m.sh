@@ -6,7 +6,7 @@
 #
 # Usage: bash training/recipes/smollm2-135m.sh [--commit] [other training.recipe options]
 #   Run from the repository root; rerun (on this or a fresh machine) to continue. At one thread, in the background:
-#   nohup bash training/recipes/smollm2-135m.sh --commit > /work/logs/recipe.log 2>&1 &
+#   nohup bash training/recipes/smollm2-135m.sh --commit > work/recipe.log 2>&1 &
 #   python -m training.recipe --plan     # what is done and what comes next
 #
 # Time here (2 shared CPU cores, one thread; each chunk's steps are recorded in
