@@ -1,27 +1,34 @@
-"""``total_tokens="auto"``: choose the tree size and depth that maximise expected speedup on this machine.
+"""``total_tokens="auto"``: choose the tree size and depth that maximise the speedup on this machine, in seconds.
 
-1. The target's forward-cost curve ``t(n)`` (n tokens on top of a cached context) and the head's cost per drafting
-   level are measured.
-2. A few calibration prompts (generic requests, not evaluation questions) are generated greedily with a large tree;
-   for every cycle the draft-score rank and depth of each node on the accepted path are recorded. A smaller tree of
-   ``N`` nodes and depth ``d`` is the ``N`` best-ranked nodes of depth <= d of the same candidates, so the tokens it
-   would have accepted follow from those ranks.
-3. Expected speedup = ``tau(N, d) * t(1) / (t(N+1) + draft(d))``; the best (N, d) is cached per machine, target,
-   dtype and head under ``<griffin cache>/autotune/``.
+Bounded in time (``budget_s``, 30 s by default; a progress bar shows it) and robust to a busy machine:
+
+1. Calibration (45 % of the budget): a few generic requests (not evaluation questions) are generated greedily with a
+   large tree; for every cycle the draft-score rank and depth of each node on the accepted path are recorded. A
+   smaller tree of ``N`` nodes and depth ``d`` is the ``N`` best-ranked nodes of depth <= d of the same candidates, so
+   the tokens it would have accepted follow from those ranks (never more than the large tree accepted: the measured
+   acceptance bounds every estimate). The head's cost per drafting level and the per-cycle overhead are timed too.
+2. The target's forward-cost curve ``t(n)`` (25 %): interleaved repeats over all sizes, medians, made non-decreasing
+   in ``n`` (a busy moment cannot make a larger pass look cheaper than a smaller one).
+3. Expected speedup over plain decoding = ``tau(N, d) * t(1) / (t(N+1) + d * draft_level + overhead)``.
+4. Check (30 %): the best candidate and a small default tree generate the same prompt in turns; the faster by median
+   wins, so the choice is never worse than the default. Too little calibration data also falls back to the default.
+
+The choice is cached per machine, target, dtype and head under ``<griffin cache>/autotune/`` with the reason for it;
+``retune=True`` (``--retune`` on the commands) measures again, ``total_tokens=N`` skips the tuning.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import platform
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
-from .io import atomic_write_json
+from .io import atomic_write_json, read_json
 from .kv_cache import BufferCache
 from .target import cache_dir, target_fingerprint
 
@@ -33,8 +40,12 @@ CALIBRATION = [
     "Give three tips for staying focused while studying.",
     "What are the health benefits of drinking water?",
 ]
-MAX_DEPTH, MAX_TOTAL = 8, 64
-TOTALS = list(range(1, 17)) + list(range(18, MAX_TOTAL + 1, 2))  # every small tree; larger ones in steps of 2
+MAX_DEPTH, MAX_TOTAL = 6, 48  # the calibration tree; every candidate is a sub-tree of it
+TOTALS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48]
+DEFAULT_TREE = (3, 6)  # depth, total_tokens: small enough to be cheap on any machine, large enough to help
+MIN_CYCLES = 8  # fewer calibration cycles than this: too little data to trust, keep the default
+BUDGET_S = 30.0
+SPLIT = {"calibration": 0.45, "forward cost": 0.25, "check": 0.30}
 
 
 def _key(gen) -> str:
@@ -46,19 +57,32 @@ def _key(gen) -> str:
 
 
 @torch.inference_mode()
-def forward_cost(gen, sizes: list[int], context: int = 256, repeats: int = 5) -> dict[int, float]:
-    """Median seconds of one target forward over n new tokens after ``context`` cached ones."""
+def forward_cost(gen, sizes: list[int], context: int = 256, repeats: int = 5,
+                 deadline: float | None = None) -> dict[int, float]:
+    """Median seconds of one target forward over n new tokens after ``context`` cached ones.
+
+    Sizes are interleaved in every repeat so that machine noise spreads over all of them; with ``deadline``, repeats
+    stop when it passes (at least one is made)."""
+    window = getattr(gen.target.config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(window, int):
+        context = max(1, min(context, window - max(sizes)))
     forward = cached_context_forward(gen, context, max(sizes))
-    sync = torch.cuda.synchronize if gen.device.type == "cuda" else lambda: None
     times: dict[int, list[float]] = {n: [] for n in sizes}
-    for _ in range(repeats):
-        for n in sizes:  # interleaved, so that machine noise spreads over all sizes
-            sync()
+    for r in range(repeats):
+        if r and deadline is not None and time.perf_counter() > deadline:
+            break
+        for n in sizes:
+            _sync(gen.device)
             t0 = time.perf_counter()
             forward(n)
-            sync()
+            _sync(gen.device)
             times[n].append(time.perf_counter() - t0)
-    return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()
@@ -95,44 +119,168 @@ def expected_tau(trace: list, total: int, depth: int) -> float:
     return sum(accepted) / len(accepted)
 
 
-def autotune(gen, max_new_tokens: int = 96, retune: bool = False) -> tuple[int, int, int]:
-    """-> (depth, top_k, total_tokens) for ``gen``'s target and head on this machine (cached)."""
-    path = cache_dir() / "autotune" / f"{_key(gen)}.json"
-    if path.is_file() and not retune:
-        choice = json.loads(path.read_text())
-        return choice["depth"], choice["top_k"], choice["total_tokens"]
-    log.info("tuning the tree size for this machine and head (once; cached in %s)", path)
-    costs = forward_cost(gen, [1] + [total + 1 for total in TOTALS])  # the root and `total` drafted nodes
-    saved = gen.depth, gen.total_tokens, gen.timing
-    gen.depth, gen.total_tokens, gen.timing = MAX_DEPTH, MAX_TOTAL, True  # the draft time per cycle is needed
-    trace: list = []
-    draft_time = cycles = 0
+class _Clock:
+    """Wall time against the budget, shown as a progress bar in seconds."""
+
+    def __init__(self, budget_s: float):
+        from tqdm.auto import tqdm
+
+        self.start = time.perf_counter()
+        self.budget = budget_s
+        self.bar = tqdm(total=round(budget_s), desc="tuning the draft tree (once)", unit="s", leave=False,
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s")
+
+    def deadline(self, phase: str) -> float:
+        """When ``phase`` must end: its share of the budget after the earlier phases' shares."""
+        shares = list(SPLIT)
+        return self.start + self.budget * sum(SPLIT[p] for p in shares[: shares.index(phase) + 1])
+
+    def tick(self, phase: str) -> None:
+        self.bar.set_postfix_str(phase)
+        self.bar.n = min(self.elapsed, self.budget)
+        self.bar.refresh()
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _calibration_prompts(gen) -> Iterator[torch.Tensor]:
+    from .chat import TemplateError
+
+    for prompt in CALIBRATION:
+        try:
+            yield gen.encode([{"role": "user", "content": prompt}])
+        except TemplateError:  # a base model without a chat template
+            yield gen.encode(prompt)
+
+
+def _calibrate(gen, clock: _Clock, max_new_tokens: int) -> tuple[list, dict]:
     from .generator import GenerationStats
     from .sampling import SamplingConfig
 
+    deadline = clock.deadline("calibration")
+    trace: list = []
+    totals = {"draft_s": 0.0, "other_s": 0.0, "cycles": 0, "new_tokens": 0}
+    saved = gen.depth, gen.total_tokens, gen.timing
+    gen.depth, gen.total_tokens, gen.timing = MAX_DEPTH, MAX_TOTAL, True  # the draft time per cycle is needed
     try:
-        for prompt in CALIBRATION:
-            ids = gen.encode([{"role": "user", "content": prompt}])
+        for ids in _calibration_prompts(gen):
             stats = GenerationStats()
             for _ in gen._steps(ids, max_new_tokens, SamplingConfig(), gen.eos_ids(None), None, stats, trace=trace):
-                pass
-            draft_time += stats.draft_s
-            cycles += stats.cycles
+                clock.tick("calibration")
+                if time.perf_counter() > deadline:
+                    break
+            totals["draft_s"] += stats.draft_s
+            totals["other_s"] += stats.other_s
+            totals["cycles"] += stats.cycles
+            totals["new_tokens"] += stats.new_tokens - 1  # the prefill's token is no cycle's
+            if time.perf_counter() > deadline:
+                break
     finally:
         gen.depth, gen.total_tokens, gen.timing = saved
-    per_level = draft_time / max(cycles, 1) / MAX_DEPTH  # the update pass plus depth-1 expansions per cycle
-    best = None
-    table = []
-    for depth in range(1, MAX_DEPTH + 1):
-        for total in TOTALS:
-            tau = expected_tau(trace, total, depth)
-            speedup = tau * costs[1] / (costs[total + 1] + depth * per_level)
-            table.append({"depth": depth, "total_tokens": total, "tau": tau, "speedup": speedup})
-            if best is None or speedup > best["speedup"]:
-                best = table[-1]
-    choice = {"depth": best["depth"], "top_k": gen.top_k, "total_tokens": best["total_tokens"],
-              "expected_tau": best["tau"], "expected_speedup_vs_plain_forward": best["speedup"],
-              "forward_cost_s": costs, "draft_level_s": per_level, "cycles": len(trace), "candidates": table}
+    return trace, totals
+
+
+def _seconds_per_token(gen, ids: torch.Tensor, tree: tuple[int, int], max_new_tokens: int) -> float:
+    saved = gen.depth, gen.total_tokens
+    gen.depth, gen.total_tokens = tree
+    try:
+        _sync(gen.device)
+        t0 = time.perf_counter()
+        out = gen.generate(ids, max_new_tokens=max_new_tokens)
+        _sync(gen.device)
+        return (time.perf_counter() - t0) / out.stats.new_tokens
+    finally:
+        gen.depth, gen.total_tokens = saved
+
+
+def _check(gen, clock: _Clock, best: tuple[int, int], max_new_tokens: int) -> dict[str, float]:
+    """Median seconds per token of the best candidate and the default tree, generated in turns."""
+    ids = next(_calibration_prompts(gen))
+    deadline = clock.deadline("check")
+    times: dict[tuple[int, int], list[float]] = {best: [], DEFAULT_TREE: []}
+    while True:
+        for tree in (DEFAULT_TREE, best):
+            times[tree].append(_seconds_per_token(gen, ids, tree, max_new_tokens))
+            clock.tick("check")
+        if len(times[best]) >= 5 or time.perf_counter() > deadline:
+            break
+    return {tree: statistics.median(t) for tree, t in times.items()}
+
+
+def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64) -> dict:
+    """Measure and choose; -> the choice with its reason and measurements (see the module docstring)."""
+    budget_s = budget_s or BUDGET_S
+    clock = _Clock(budget_s)
+    try:
+        trace, totals = _calibrate(gen, clock, max_new_tokens)
+        cycles = totals["cycles"]
+        measured_tau = (totals["new_tokens"] / cycles) if cycles else 1.0
+        choice: dict = {"top_k": gen.top_k, "calibration_cycles": cycles, "calibration_tau": measured_tau,
+                        "budget_s": budget_s}
+        if cycles < MIN_CYCLES:
+            depth, total = DEFAULT_TREE
+            reason = f"the default tree: only {cycles} calibration cycles fitted in the time (machine too busy?)"
+            choice.update(depth=depth, total_tokens=total, reason=reason, tuning_s=clock.elapsed)
+            return choice
+        costs = forward_cost(gen, [1] + [n + 1 for n in TOTALS], repeats=7, deadline=clock.deadline("forward cost"))
+        clock.tick("forward cost")
+        running = 0.0
+        for n in sorted(costs):  # non-decreasing in n: noise never makes a larger pass look cheaper
+            running = costs[n] = max(costs[n], running)
+        level = totals["draft_s"] / cycles / MAX_DEPTH  # the update pass plus depth-1 expansions per cycle
+        overhead = totals["other_s"] / cycles
+        table = []
+        for depth in range(1, MAX_DEPTH + 1):
+            for total in TOTALS:
+                tau = min(expected_tau(trace, total, depth), measured_tau)
+                speedup = tau * costs[1] / (costs[total + 1] + depth * level + overhead)
+                table.append({"depth": depth, "total_tokens": total, "tau": tau, "speedup": speedup})
+        best = max(table, key=lambda row: row["speedup"])
+        pick = (best["depth"], best["total_tokens"])
+        default = next(row for row in table if (row["depth"], row["total_tokens"]) == DEFAULT_TREE)
+        measured = {}
+        if pick != DEFAULT_TREE:
+            measured = _check(gen, clock, pick, max(16, max_new_tokens // 2))
+            if measured[DEFAULT_TREE] < measured[pick]:
+                reason = (f"the default tree: measured {measured[pick] / measured[DEFAULT_TREE]:.2f}x slower per "
+                          f"token than it, the best estimate ({pick[1]} nodes, depth {pick[0]}) lost")
+                pick, best = DEFAULT_TREE, default
+            else:
+                reason = (f"expected tau {best['tau']:.2f} at {best['speedup']:.2f}x the plain decoding rate; measured "
+                          f"{measured[DEFAULT_TREE] / measured[pick]:.2f}x faster than the default tree")
+        else:
+            reason = f"expected tau {best['tau']:.2f} at {best['speedup']:.2f}x the plain decoding rate"
+        choice.update(depth=pick[0], total_tokens=pick[1], reason=reason, expected_tau=best["tau"],
+                      expected_speedup=best["speedup"], forward_cost_s=costs, draft_level_s=level,
+                      cycle_overhead_s=overhead,
+                      measured_s_per_token={f"{d}x{n}": s for (d, n), s in measured.items()},
+                      candidates=table, tuning_s=clock.elapsed)
+        return choice
+    finally:
+        clock.close()
+
+
+def autotune(gen, retune: bool = False, budget_s: float | None = None) -> tuple[int, int, int]:
+    """-> (depth, top_k, total_tokens) for ``gen``'s target and head on this machine (tuned once, then cached)."""
+    path = cache_dir() / "autotune" / f"{_key(gen)}.json"
+    if path.is_file() and not retune:
+        try:
+            choice = read_json(path, "tuning record")
+            log.info("draft tree: %d nodes, depth %d (tuned for this machine on %s; --retune measures again, "
+                     "--total-tokens N fixes it)", choice["total_tokens"], choice["depth"], choice.get("tuned_at"))
+            return choice["depth"], choice["top_k"], choice["total_tokens"]
+        except (ValueError, KeyError, TypeError):
+            log.warning("%s is damaged: tuning again", path)
+    log.info("tuning the draft tree for this machine and head (at most %.0f s, once; --total-tokens N skips it)",
+             budget_s or BUDGET_S)
+    choice = tune(gen, budget_s)
+    choice["tuned_at"] = time.strftime("%Y-%m-%d %H:%M")
     atomic_write_json(path, choice)
-    log.info("tree: depth %d, %d nodes (expected tau %.2f)", choice["depth"], choice["total_tokens"], best["tau"])
+    log.info("draft tree: %d nodes, depth %d, chosen in %.0f s: %s (cached in %s)", choice["total_tokens"],
+             choice["depth"], choice["tuning_s"], choice["reason"], path)
     return choice["depth"], choice["top_k"], choice["total_tokens"]

@@ -1,10 +1,13 @@
-"""Speculative generation on a few prompts, side by side with plain generation.
+"""Speculative generation on a few prompts, side by side with the fastest plain decoding.
 
     python -m inference.demo                      # the embedded SmolLM2 target with its shipped GRIFFIN head
     python -m inference.demo --draft heads/mine --prompt "Tell me a joke."
+    python -m inference.demo --total-tokens 8     # a fixed tree: no tuning
 
-Prints each answer, the acceptance length (tokens per target forward pass), tokens/s, and the speedup over
-transformers' ``generate`` on the same prompt, and checks that both wrote the same tokens.
+Prints each answer, the acceptance length (tokens per target forward pass), tokens/s of speculative generation and of
+both plain decodings (transformers' ``generate`` and griffin's own loop), the speedup over the faster of the two, and
+whether the output is identical to ``generate``'s. The first run on a machine tunes the tree size (under a minute,
+cached).
 """
 
 from __future__ import annotations
@@ -13,12 +16,9 @@ import argparse
 import sys
 import time
 
-import torch
+from training.cli import add_tree_arguments, nonnegative_float, positive_int, run_cli
 
-from griffin import SpecGenerator
-from griffin.target import EMBEDDED_TARGET
-from training.cli import run_cli
-
+EMBEDDED_TARGET = "smollm2-135m-instruct"
 PROMPTS = [
     "Write a short poem about the sea.",
     "Give me three tips for a good night's sleep.",
@@ -29,47 +29,74 @@ PROMPTS = [
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m inference.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=EMBEDDED_TARGET)
+    p.add_argument("--target", default=EMBEDDED_TARGET, help="target name or local HF folder (default: %(default)s)")
     p.add_argument("--draft", default=None, help="head folder (default: the head shipped for the target)")
     p.add_argument("--prompt", action="append", help="a user message (repeatable; default: three examples)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0 = greedy")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
                    help="target dtype (default: fp32 on CPU, bf16 on CUDA)")
+    add_tree_arguments(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    gen = SpecGenerator.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype)
-    sample = args.temperature > 0
-    hf_kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=sample, temperature=args.temperature or None,
-                     top_p=None, top_k=None)
-    warm = gen.encode([{"role": "user", "content": "Hi"}])
-    gen.generate(warm, max_new_tokens=8)
-    gen.target.generate(warm[None], max_new_tokens=8)
-    total_spec = total_plain = 0.0
-    for i, prompt in enumerate(args.prompt or PROMPTS):
-        ids = gen.encode([{"role": "user", "content": prompt}])
-        t0 = time.perf_counter()
-        result = gen.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=i)
-        spec = time.perf_counter() - t0
-        torch.manual_seed(i)
+    import torch
+
+    from griffin import SpecGenerator
+    from griffin.plain import plain_generate
+    from griffin.sampling import SamplingConfig
+
+    gen = SpecGenerator.from_pretrained(args.target, args.draft, total_tokens=args.total_tokens, retune=args.retune,
+                                        device=args.device, dtype=args.dtype)
+    eos = gen.eos_ids(None)
+    sampling = SamplingConfig(args.temperature)
+    hf_kwargs = dict(do_sample=args.temperature > 0, temperature=args.temperature or None, top_p=None, top_k=None,
+                     eos_token_id=eos.tolist(), pad_token_id=gen.tokenizer.pad_token_id)
+
+    def timed(run) -> tuple[torch.Tensor, float]:
         t0 = time.perf_counter()
         with torch.inference_mode():
-            plain = gen.target.generate(ids[None], **hf_kwargs)
-        plain_s = time.perf_counter() - t0
-        total_spec, total_plain = total_spec + spec, total_plain + plain_s
-        stats = result.stats
-        same = "identical to" if torch.equal(plain, result.sequences) else "differs from (sampling)"
+            out = run()
+        return out, time.perf_counter() - t0
+
+    def methods(ids: torch.Tensor, budget: int, seed: int) -> dict:
+        torch.manual_seed(seed)
+        spec, spec_s = timed(lambda: gen.generate(ids, max_new_tokens=budget, temperature=args.temperature, seed=seed))
+        torch.manual_seed(seed)
+        hf, hf_s = timed(lambda: gen.target.generate(ids[None], max_new_tokens=budget, **hf_kwargs)[0, len(ids):])
+        loop, loop_s = timed(lambda: plain_generate(gen.target, ids, budget, sampling, eos,
+                                                    torch.Generator().manual_seed(seed)))
+        return {"spec": (spec, spec_s), "generate": (hf, hf_s), "own loop": (loop, loop_s)}
+
+    methods(gen.encode([{"role": "user", "content": "Hi"}]), 8, 0)  # warm-up
+    totals = {"spec": 0.0, "generate": 0.0, "own loop": 0.0}
+    tokens = {"spec": 0, "generate": 0, "own loop": 0}
+    for i, prompt in enumerate(args.prompt or PROMPTS):
+        ids = gen.encode([{"role": "user", "content": prompt}])
+        runs = methods(ids, args.max_new_tokens, i)
+        result = runs["spec"][0]
+        for name, (out, seconds) in runs.items():
+            totals[name] += seconds
+            tokens[name] += result.stats.new_tokens if name == "spec" else len(out)
+        new = result.sequences[0, len(ids):]
+        same = "identical to" if torch.equal(new, runs["generate"][0]) else (
+            "sampled independently of" if args.temperature > 0 else "DIFFERENT FROM")
+        rate = {name: (result.stats.new_tokens if name == "spec" else len(out)) / seconds
+                for name, (out, seconds) in runs.items()}
         print(f"\n### {prompt}\n{result.text}\n")
-        print(f"tau {stats.tau:.2f} tokens/pass · {stats.new_tokens / spec:.1f} tokens/s · plain generate "
-              f"{(plain.shape[1] - ids.shape[0]) / plain_s:.1f} tokens/s · speedup {plain_s / spec:.2f}x · output "
-              f"{same} transformers' generate")
-    print(f"\noverall speedup over transformers' generate: {total_plain / total_spec:.2f}x")
+        print(f"tau {result.stats.tau:.2f} tokens/pass · {rate['spec']:.1f} tokens/s · plain: generate "
+              f"{rate['generate']:.1f}, own loop {rate['own loop']:.1f} tokens/s · output {same} transformers' "
+              "generate")
+    baseline = min(("generate", "own loop"), key=lambda name: totals[name] / tokens[name])
+    speedup = (totals[baseline] / tokens[baseline]) / (totals["spec"] / tokens["spec"])
+    print(f"\nspeedup over the fastest plain decoding ({baseline}, {tokens[baseline] / totals[baseline]:.1f} "
+          f"tokens/s): {speedup:.2f}x ({tokens['spec'] / totals['spec']:.1f} tokens/s; tree of {gen.total_tokens} "
+          f"nodes, depth {gen.depth})")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(run_cli(main, interrupted="interrupted"))

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import copy
 import json
-import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
 
 from griffin import DraftConfig, DraftModel
 from griffin.draft import check_state_dict
-from griffin.official import EAGLE_KEYS, GRIFFIN_KEYS
+from griffin.drafters import HeadDrafter
+from griffin.target import TargetHead
 from tests.conftest import tiny_model
 
 SMOL = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)
@@ -90,78 +93,43 @@ def test_attach_to_another_target_raises():
 
 # --- official layouts --------------------------------------------------------------------------------------------
 
-
-def rms(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+FIXTURES = Path(__file__).parent / "fixtures"  # outputs of the official code: see fixtures/PROVENANCE.md
 
 
-def rope(x, pos, theta):
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
-    ang = pos[:, None].float() * inv[None]
-    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
-    rotated = torch.cat((-x[..., d // 2 :], x[..., : d // 2]), -1)
-    return x * cos + rotated * sin
-
-
-def official_forward(w: dict, arch: str, e, f, nh, nkv, eps, theta):
-    """The official GRIFFIN / EAGLE head forward, written from the key names, for one sequence [T, H]."""
-    if arch == "griffin":
-        u = F.linear(torch.cat((e, f), -1), w["fc.fc.weight"], w["fc.fc.bias"])
-        a = rms(u, w["fc.post_attention_layernorm.weight"], eps)
-        n = w["fc.mlp.input_layernorm.weight"]
-        z = F.linear(torch.cat((rms(a, n, eps), rms(e, n, eps)), -1), w["fc.mlp.up_proj.weight"])
-        h = u + F.linear(F.silu(z), w["fc.mlp.down_proj.weight"])
-    else:
-        h = F.linear(torch.cat((e, f), -1), w["fc.weight"], w["fc.bias"])
-    t, hid = h.shape
-    d = hid // nh
-    pos = torch.arange(t)
-    q = F.linear(h, w["layers.0.self_attn.q_proj.weight"]).view(t, nh, d).transpose(0, 1)
-    k = F.linear(h, w["layers.0.self_attn.k_proj.weight"]).view(t, nkv, d).transpose(0, 1)
-    v = F.linear(h, w["layers.0.self_attn.v_proj.weight"]).view(t, nkv, d).transpose(0, 1)
-    q, k = rope(q, pos, theta), rope(k, pos, theta)
-    k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
-    scores = (q @ k.transpose(1, 2)) / math.sqrt(d)
-    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
-    attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(t, hid)
-    r = h + F.linear(attn, w["layers.0.self_attn.o_proj.weight"])
-    x = rms(r, w["layers.0.post_attention_layernorm.weight"], eps)
-    gate, up = F.linear(x, w["layers.0.mlp.gate_proj.weight"]), F.linear(x, w["layers.0.mlp.up_proj.weight"])
-    mlp = F.linear(F.silu(gate) * up, w["layers.0.mlp.down_proj.weight"])
-    out = (torch.cat((r, r), -1) if arch == "griffin" else r) + mlp
-    return out[:, :hid] if arch == "griffin" else out
-
-
-@pytest.mark.parametrize("arch,fmt", [("griffin", "bin"), ("griffin", "safetensors"), ("eagle", "bin"),
-                                      ("eagle", "safetensors")])
-def test_official_layout_reproduces_official_forward(tmp_path, arch, fmt):
-    h, i, nh, nkv, vocab, eps, theta = 64, 96, 4, 2, 100, 1e-5, 10000.0
-    torch.manual_seed(1)
-    keys = GRIFFIN_KEYS if arch == "griffin" else EAGLE_KEYS
-    ours = DraftModel(DraftConfig(arch=arch, hidden_size=h, intermediate_size=i, num_attention_heads=nh,
-                                  num_key_value_heads=nkv, vocab_size=vocab, rms_norm_eps=eps,
-                                  tgf_intermediate_size=128))
-    shapes = {k: v.shape for k, v in ours.state_dict().items()}
-    inverse = {v: k for k, v in keys.items()}
-    official = {inverse[k]: torch.randn(s) * 0.1 + (1.0 if "norm" in k else 0.0) for k, s in shapes.items()}
-    official["embed_tokens.weight"] = torch.randn(vocab, h)
-    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": h, "intermediate_size": i,
-              "num_attention_heads": nh, "num_key_value_heads": nkv, "vocab_size": vocab, "rms_norm_eps": eps,
-              "rope_theta": theta, "max_position_embeddings": 256, "num_hidden_layers": 1, "bias": True}
-    (tmp_path / "config.json").write_text(json.dumps(config))
+@pytest.mark.parametrize("arch,fmt", [("griffin", "safetensors"), ("griffin", "bin"), ("eagle", "safetensors"),
+                                      ("eagle", "bin")])
+def test_official_checkpoints_reproduce_the_official_code(tmp_path, arch, fmt):
+    """Our loader, head and tree drafting against what the official GRIFFIN / EAGLE code computed on the same
+    checkpoint: the head's features at every context position and the whole drafted tree."""
+    src = FIXTURES / f"official-{arch}"
+    folder = src
     if fmt == "bin":
-        torch.save(official, tmp_path / "pytorch_model.bin")
-    else:
-        save_file(official, str(tmp_path / "model.safetensors"))
-    loaded = DraftModel.from_pretrained(tmp_path)
-    assert loaded.config.arch == arch
-    target = tiny_model(vocab_size=vocab, hidden=h)
-    loaded.attach(target)
-    ids, f = torch.randint(0, vocab, (1, 9)), torch.randn(1, 9, h)
-    got = loaded(ids, f, torch.arange(9)[None]).predict[0]
-    want = official_forward(official, arch, target.get_input_embeddings()(ids)[0], f[0], nh, nkv, eps, theta)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        folder = tmp_path
+        shutil.copyfile(src / "config.json", folder / "config.json")
+        torch.save(load_file(str(src / "model.safetensors")), folder / "pytorch_model.bin")
+    io = load_file(str(src / "io.safetensors"))
+    with safe_open(str(src / "io.safetensors"), "pt") as handle:
+        official = {k: int(v) for k, v in handle.metadata().items()}
+    head = DraftModel.from_pretrained(folder)
+    assert head.config.arch == arch
+    raw = json.loads((src / "config.json").read_text())
+    target = TargetHead(LlamaConfig(**{k: raw[k] for k in ("hidden_size", "vocab_size", "intermediate_size",
+                                                             "num_attention_heads", "num_key_value_heads")}),
+                        load_file(str(src / "model.safetensors"))["embed_tokens.weight"], io["lm_head"])
+    head.attach(target)
+    ids, hidden = io["input_ids"], io["hidden"]
+    context = hidden.shape[1]
+    out = head(ids[:, 1:], hidden, torch.arange(context)[None])
+    torch.testing.assert_close(out.predict, io["predict"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.regress, io["regress"], rtol=1e-5, atol=1e-5)
+    drafter = HeadDrafter(head, depth=official["depth"] + 1, top_k=official["top_k"],
+                          total_tokens=official["total_tokens"] - 1, capacity=64)
+    drafter.start(ids[0, :-1], hidden[0], ids[0, -1:])
+    tree = drafter.propose(ids[0, -1:])
+    assert tree.tokens.tolist() == io["draft_tokens"][0].tolist()
+    assert tree.depths.tolist() == io["tree_position_ids"].tolist()
+    assert torch.equal(tree.ancestors, io["tree_mask"][0, 0].bool())
+    assert tree.depths.max() >= 3  # deep enough that every drafting position matters
 
 
 def test_official_layout_errors_name_the_keys(tmp_path):

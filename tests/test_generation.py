@@ -204,9 +204,63 @@ def check_sampling_distribution(temperature: float, top_p: float, device: str = 
     assert accepted_drafts > runs // 10  # drafted tokens were really accepted, not only bonus tokens
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (1.0, 0.9)])
-def test_sampling_matches_the_target_distribution(temperature, top_p):
-    check_sampling_distribution(temperature, top_p)
+def exact_sequences(target, prompt: torch.Tensor, cfg: SamplingConfig, length: int) -> dict[tuple, float]:
+    """The target's exact probability of every continuation of ``length`` tokens under ``cfg`` (sparse: top-k)."""
+    probs: dict[tuple, float] = {}
+
+    def walk(seq: torch.Tensor, p: float, depth: int) -> None:
+        with torch.no_grad():
+            step = warp(target(seq[None]).logits[0, -1], cfg)
+        for token in step.nonzero().squeeze(1).tolist():
+            q = p * float(step[token])
+            if depth + 1 == length:
+                probs[tuple(seq[len(prompt):].tolist()) + (token,)] = q
+            else:
+                walk(torch.cat((seq, torch.tensor([token]))), q, depth + 1)
+
+    walk(prompt, 1.0, 0)
+    return probs
+
+
+def test_sampling_over_several_cycles_matches_the_target_distribution():
+    """Four tokens with trees of depth 1 take at least two verification cycles, the later ones on a compacted KV
+    cache; temperature 0.8 and top-k 3 warp the target. Chi-square against the exact distribution."""
+    target = tiny_model("llama", vocab_size=5, hidden=16, layers=1, seed=11)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.25)  # a spread-out distribution
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target, "eagle"), depth=1, top_k=2, total_tokens=2)
+    prompt = torch.tensor([1, 3, 0])
+    cfg = SamplingConfig(temperature=0.8, top_k=3)
+    exact = exact_sequences(target, prompt, cfg, length=4)
+    runs = 1500
+    counts: dict[tuple, int] = {}
+    cycles, accepted = [], 0
+    for seed in range(runs):
+        out = gen.generate(prompt, max_new_tokens=4, temperature=0.8, top_k=3, seed=seed)
+        key = tuple(out.sequences[0, 3:].tolist())
+        counts[key] = counts.get(key, 0) + 1
+        cycles.append(out.stats.cycles)
+        accepted += out.stats.new_tokens - 1 - out.stats.cycles  # drafted tokens accepted (bonus tokens excluded)
+    assert set(counts) <= set(exact), "sampled a sequence the target cannot produce under top-k 3"
+    assert min(cycles) >= 2 and accepted > runs // 4
+    cells = sorted(exact, key=exact.get, reverse=True)
+    observed, expected, rest_o, rest_e = [], [], 0, 0.0
+    for cell in cells:
+        e = exact[cell] * runs
+        if e >= 5:
+            observed.append(counts.get(cell, 0))
+            expected.append(e)
+        else:
+            rest_o += counts.get(cell, 0)
+            rest_e += e
+    if rest_e:
+        observed.append(rest_o)
+        expected.append(rest_e)
+    assert len(observed) > 20
+    total = sum(expected)
+    pvalue = chisquare(observed, [e * runs / total for e in expected]).pvalue
+    assert pvalue > 0.001, (pvalue, list(zip(observed, expected)))
+
 
 
 def test_generation_is_reproducible_with_a_seed():
@@ -230,7 +284,7 @@ def test_stream_and_streamers(smol_generator, capsys):
     assert result.text.strip()[:10] in capsys.readouterr().out
     stats = result.stats
     assert stats.new_tokens == sum(k * v for k, v in stats.accepted_hist.items()) + 1  # +1: the prefill's token
-    assert stats.tau == stats.new_tokens / stats.cycles
+    assert stats.cycles == sum(stats.accepted_hist.values())
     assert stats.wall_s > 0 and stats.verify_s > 0 and stats.draft_s > 0
     assert stats.draft_s + stats.verify_s + stats.other_s + stats.prefill_s <= stats.wall_s * 1.01
     untimed = smol_generator.chat(messages, max_new_tokens=12).stats

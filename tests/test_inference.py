@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 
 import pytest
 import torch
 
-from griffin import DraftConfig, DraftModel, SpecGenerator
+from griffin import DraftConfig, DraftModel, SpecGenerator, autotune
 from griffin.autotune import expected_tau
 from griffin.tree import build_tree
 from tests.conftest import ROOT, run_main, run_module, tiny_model
@@ -35,31 +37,68 @@ def test_expected_tau_counts_the_path_inside_smaller_trees():
     assert expected_tau(trace, total=3, depth=8) == 3
 
 
-def test_auto_tree_size_is_measured_and_cached(tmp_path, monkeypatch):
+class CharTokenizer:
+    """Characters as token ids, with a chat template that keeps the last message."""
+
+    eos_token_id = None
+    chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return messages[-1]["content"]
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) % 64 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(48 + int(i)) for i in ids)
+
+
+def test_auto_tree_size_is_measured_within_seconds_explained_and_cached(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("GRIFFIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(autotune, "BUDGET_S", 4.0)
+    caplog.set_level(logging.INFO, logger="griffin.autotune")
     target = tiny_model("llama", vocab_size=64)
     torch.manual_seed(0)
     head = DraftModel(DraftConfig.from_target(target.config))
-
-    class Tok:
-        eos_token_id = None
-        chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-
-        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
-            return messages[-1]["content"]
-
-        def __call__(self, text, add_special_tokens=False):
-            return {"input_ids": [ord(c) % 64 for c in text]}
-
-    gen = SpecGenerator.from_pretrained(target, head, tokenizer=Tok(), total_tokens="auto")
+    t0 = time.perf_counter()
+    gen = SpecGenerator.from_pretrained(target, head, tokenizer=CharTokenizer(), total_tokens="auto")
+    assert time.perf_counter() - t0 < 6.0  # the budget, plus the last measurement it had started
     files = list((tmp_path / "autotune").glob("*.json"))
     assert len(files) == 1
     choice = json.loads(files[0].read_text())
     assert (gen.depth, gen.total_tokens) == (choice["depth"], choice["total_tokens"])
-    assert 1 <= gen.depth <= 8 and 2 <= gen.total_tokens <= 64
-    assert choice["forward_cost_s"]["1"] > 0
-    again = SpecGenerator.from_pretrained(target, head, tokenizer=Tok(), total_tokens="auto")
+    assert 1 <= gen.depth <= autotune.MAX_DEPTH and 1 <= gen.total_tokens <= autotune.MAX_TOTAL
+    assert choice["calibration_cycles"] >= autotune.MIN_CYCLES and choice["forward_cost_s"]["1"] > 0
+    costs = [choice["forward_cost_s"][str(n)] for n in sorted(map(int, choice["forward_cost_s"]))]
+    assert costs == sorted(costs)  # made non-decreasing
+    assert all(row["tau"] <= choice["calibration_tau"] + 1e-9 for row in choice["candidates"])
+    summary = [r.message for r in caplog.records if r.message.startswith("draft tree:")]
+    assert len(summary) == 1 and f"{gen.total_tokens} nodes, depth {gen.depth}, chosen in" in summary[0]
+    assert "default tree" in summary[0]  # the reason names how the choice compared with the default tree
+    caplog.clear()
+    again = SpecGenerator.from_pretrained(target, head, tokenizer=CharTokenizer(), total_tokens="auto")
     assert (again.depth, again.total_tokens) == (gen.depth, gen.total_tokens)
+    assert "tuned for this machine on" in caplog.text and "chosen in" not in caplog.text
+    SpecGenerator.from_pretrained(target, head, tokenizer=CharTokenizer(), total_tokens="auto", retune=True)
+    assert "chosen in" in caplog.text
+
+
+def test_tuning_on_a_machine_too_busy_to_measure_keeps_the_default_tree_within_the_budget(monkeypatch, tmp_path):
+    monkeypatch.setenv("GRIFFIN_CACHE", str(tmp_path))
+    target = tiny_model("llama", vocab_size=64)
+    gen = SpecGenerator(target, CharTokenizer(), DraftModel(DraftConfig.from_target(target.config)))
+    forward = gen._target_forward
+
+    def slow(*args, **kwargs):
+        time.sleep(0.1)  # every target pass takes 100 ms: a busy machine
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(gen, "_target_forward", slow)
+    t0 = time.perf_counter()
+    choice = autotune.tune(gen, budget_s=1.0)
+    assert time.perf_counter() - t0 < 1.5
+    assert (choice["depth"], choice["total_tokens"]) == autotune.DEFAULT_TREE
+    assert choice["reason"].startswith("the default tree: only") and choice["calibration_cycles"] < autotune.MIN_CYCLES
 
 
 def test_speed_run_writes_results(tmp_path, embedded):
