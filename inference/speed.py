@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from griffin import SpecGenerator
 from griffin.chat import prompt_ids
 from griffin.io import atomic_write_json, atomic_write_text
+from griffin.kernels import default_one_row
 from griffin.plain import plain_generate
 from griffin.sampling import SamplingConfig
 from griffin.target import EMBEDDED_TARGET, load_target
@@ -163,6 +164,8 @@ def summarise(records: list[dict], args: argparse.Namespace, bench: str, gen: Sp
             result["identical_fraction"] = sum(same) / len(same)
     if "own_loop" in args.methods:
         result["speedup_vs_own_loop"] = seconds["own_loop"] / seconds["ours"]
+        weight = gen.target.get_output_embeddings().weight
+        result["own_loop_one_row"] = default_one_row(weight.device, weight.dtype)  # its one-row kernel
         result["own_loop_tokens_per_s"] = tokens["own_loop"] / seconds["own_loop"]
     plain = {m: tokens[m] / seconds[m] for m in ("baseline", "own_loop") if m in args.methods}
     if plain:

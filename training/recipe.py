@@ -349,9 +349,11 @@ def progress_markdown(cfg: dict, state: dict) -> str:
 
 
 def plan_text(cfg: dict, state: dict) -> str:
-    return (f"{cfg['records']} records, {cfg['shards']} shards, {cfg['chunks']} chunks of {cfg['chunk_shards']} "
-            f"shards; stages end at chunks {cfg['stage_ends']}; {cfg['regen_records']} regenerated first turns per "
-            "chunk; chunks consumed: " + ", ".join(f"{h.name} {chunks_done(state, h)}" for h in STAGE1 + HEADS) + ".")
+    groups = math.ceil(cfg["shards"] / cfg["chunk_shards"])
+    return (f"{cfg['records']} records, {cfg['shards']} shards, {groups} groups of {cfg['chunk_shards']} shards, "
+            f"{cfg['chunks']} chunks (ShareGPT{' and regenerated answers' if cfg['regen_records'] else ''}); stages "
+            f"end at chunks {cfg['stage_ends']}; {cfg['regen_records']} regenerated first turns per group; chunks "
+            "consumed: " + ", ".join(f"{h.name} {chunks_done(state, h)}" for h in STAGE1 + HEADS) + ".")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         records = islice(records, stop)
     bar = tqdm(total=stop, unit="rec", desc="regenerate", dynamic_ncols=True)
     part = 0
-    new_tokens, seconds = 0, 0.0
+    new_tokens, seconds, answered = 0, 0.0, 0
     while chunk := list(islice(records, args.part_size)):
         path = out / f"part-{part:05d}.jsonl"
         if part >= first and part % args.num_shards == args.shard_index and not path.is_file():
@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                     answers, count = answer_speculative(gen, [prompts[k] for k in batch], args)
                 seconds += time.perf_counter() - t0
                 new_tokens += count
+                answered += len(batch)
                 for k, text in zip(batch, answers):
                     turns = [{"from": "system" if m["role"] == "system" else "human", "value": m["content"]}
                              for m in prompts[k]]
@@ -168,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         part += 1
     bar.close()
     if new_tokens:
-        log.info("generated %d new tokens in %.1f s: generation throughput %.1f tokens/s", new_tokens, seconds,
-                 new_tokens / seconds)
+        log.info("answered %d prompts, generated %d new tokens in %.1f s: generation throughput %.1f tokens/s",
+                 answered, new_tokens, seconds, new_tokens / seconds)
     if args.parts is not None:
         return 0
     parts = sorted(out.glob("part-*.jsonl"))

@@ -9,8 +9,11 @@
 #   nohup bash training/recipes/smollm2-135m.sh --commit > work/recipe.log 2>&1 &
 #   python -m training.recipe --plan     # what is done and what comes next
 #
-# Time here (2 shared CPU cores, one thread; each chunk's steps are recorded in
-# checkpoints/smollm2-135m-instruct-wip/recipe.json and README.md as they run): see benchmarks/results/
-# pipeline-throughput.md for the rates of each step.
+# Time here, one thread, 2 CPU cores shared with other engineers' jobs (2026-11-23; load average about 15 while these
+# ran, so a quiet machine is several times faster): ShareGPT features 190 target tokens/s (490 at a load near 2);
+# K=1 training 255 tokens/s (chunk 0, 412k tokens of ShareGPT: about 25 min per head); regeneration (bf16, batch 16)
+# 3-4 new tokens/s. All of it: 18 groups of 4 shards, about 7.2M ShareGPT tokens and 4,600 regenerated first turns;
+# at quiet-machine rates roughly a day of one thread, so it runs across many sessions. The seconds of every step of
+# every chunk are recorded as it runs in checkpoints/smollm2-135m-instruct-wip/recipe.json and README.md.
 set -euo pipefail
 exec python -m training.recipe "$@"
