@@ -25,19 +25,20 @@ def edited_copy(tokenizer, edit=None, **special) -> PreTrainedTokenizerFast:
     return copy
 
 
+# CPU time, not wall time: the bound is about the check's cost, which a busy shared machine must not blur
 def refused(target_tok, draft_tok, match: str, **models_) -> str:
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     with pytest.raises(TokenizerMismatch, match=match) as err:
         check_compatible(target_tok, draft_tok, **models_)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.process_time() - t0 < 1.0
     return str(err.value)
 
 
 def test_identical_tokenizers_pass_in_under_a_second(smol_tokenizer):
     copy = edited_copy(smol_tokenizer)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     check_compatible(smol_tokenizer, copy)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.process_time() - t0 < 1.0
 
 
 def test_a_tiny_model_with_its_own_tokenizer_is_refused(smol_tokenizer):
