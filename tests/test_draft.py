@@ -16,6 +16,7 @@ from transformers import LlamaConfig
 from griffin import DraftConfig, DraftModel
 from griffin.draft import check_state_dict
 from griffin.drafters import HeadDrafter
+from griffin.official import EAGLE_KEYS, GRIFFIN_KEYS
 from griffin.target import TargetHead
 from tests.conftest import tiny_model
 
