@@ -12,6 +12,10 @@ logits step from :mod:`griffin.family`, and runs:
   extra query rows, [B, nh, q, D] -> [B, nkv, groups*q, D], with the mask repeated per group: the same products,
   no KV copy, and any SDPA kernel that takes a mask;
 - on CPU, passes of 2..``weight_major_rows`` tokens with weight-major linear layers (:mod:`griffin.kernels`).
+
+With ``compile`` (off by default) verification passes have static shapes and addresses and run through
+``torch.compile`` (``compile="reduce-overhead"``: CUDA graphs): the cache writes at a device-side offset and attention
+spans the whole buffer, with the family's mask padded to it; the prefill stays a plain eager forward.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from .kv_cache import BufferCache
 
 PACKED_GQA = "griffin_packed_gqa_sdpa"
 CACHE_BLOCK = 256  # KV buffers grow in steps of this many positions, so that similar requests reuse them
+STATIC_MIN_LEN = 1024  # the smallest KV buffer of compiled verification
 
 
 def packed_gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -78,11 +83,12 @@ class PackedGQA:
 class TargetBackend:
     """The target model's prefill and verification passes over one reusable static KV buffer."""
 
-    def __init__(self, model: PreTrainedModel, weight_major_rows: int | None = None, packed_gqa: bool = True):
+    def __init__(self, model: PreTrainedModel, weight_major_rows: int | None = None, packed_gqa: bool = True,
+                 compile: str | dict | None = None):
         self.model = model
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
-        self.device = self.lm_head.weight.device
+        self.device = model.get_input_embeddings().weight.device  # where token ids go in
         self.num_layers = model.config.get_text_config().num_hidden_layers
         if weight_major_rows is None:
             weight_major_rows = default_max_rows(self.device)
@@ -90,11 +96,17 @@ class TargetBackend:
         self.packed_gqa = PackedGQA(model) if packed_gqa else contextlib.nullcontext()
         self.cache: BufferCache | None = None
         self._cache_key: tuple | None = None
+        # torch.compile's options for verification passes: a mode name ("reduce-overhead": CUDA graphs) or a dict
+        self.compile = {"mode": compile} if isinstance(compile, str) else compile
+        self._compiled = None
+        self._static_ids: list[int] = []  # the tensors last marked as static inputs
 
     def prepare(self, max_len: int) -> BufferCache:
         """The KV cache, emptied for a sequence of up to ``max_len`` positions (its buffers reused if they fit)."""
         key = (self.lm_head.weight.dtype, self.lm_head.weight.device)
         size = -(-max_len // CACHE_BLOCK) * CACHE_BLOCK
+        if self.compile is not None:  # powers of two: each new size records new graphs
+            size = max(STATIC_MIN_LEN, 1 << (size - 1).bit_length())
         if self.cache is None or key != self._cache_key:
             self.cache, self._cache_key = BufferCache(self.num_layers, size), key
         self.cache.prepare(size)
@@ -113,6 +125,8 @@ class TargetBackend:
         """tokens [q] at positions [q] after the cached entries, tree_mask [q, q] bool (which new tokens each new
         token sees; every cached entry is visible) -> hidden [q, H], logits [q, V] (or [1, V] for the last one)."""
         cache = self.cache if cache is None else cache
+        if self.compile is not None and cache is self.cache and not last_logits_only:
+            return self._static_forward(tokens, positions, tree_mask, cache)
         q = tokens.shape[0]
         mask = verification_mask(self.model, cache.length, tree_mask, self.lm_head.weight.dtype)
         small = 2 <= q <= self.weight_major.max_rows
@@ -121,3 +135,36 @@ class TargetBackend:
                                   past_key_values=cache, use_cache=True).last_hidden_state[0]  # [q, H]
             logits = output_logits(self.model, hidden[-1:] if last_logits_only else hidden)
         return hidden, logits
+
+    def _static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
+                        cache: BufferCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` with static shapes and addresses, compiled: the same result, no per-cycle shape change."""
+        n, q = cache.length, tokens.shape[0]
+        dtype = self.lm_head.weight.dtype
+        mask = verification_mask(self.model, n, tree_mask, dtype)  # [1, 1, q, n + q]
+        mask = F.pad(mask, (0, cache.max_len - n - q), value=torch.finfo(dtype).min)  # [1, 1, q, max_len]
+        if cache.offset is None or cache.offset.device != tokens.device:
+            cache.offset = torch.zeros((), dtype=torch.long, device=tokens.device)
+        cache.offset.fill_(n)
+        static = [cache.offset, *(t for layer in cache.layers for t in (layer.keys, layer.values))]
+        if [id(t) for t in static] != self._static_ids:  # new buffers: CUDA graphs may keep their addresses
+            for t in static:
+                torch._dynamo.mark_static_address(t)
+            self._static_ids = [id(t) for t in static]
+        if self._compiled is None:
+            self._compiled = torch.compile(self._verification_pass, dynamic=False, **self.compile)
+        cache.static = True
+        torch.compiler.cudagraph_mark_step_begin()  # the last pass's outputs are dead: CUDA graphs may reuse them
+        try:
+            with self.packed_gqa:
+                hidden, logits = self._compiled(tokens, positions, mask, cache)
+        finally:
+            cache.static = False
+        cache.advance(q)
+        return hidden, logits
+
+    def _verification_pass(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                           cache: BufferCache) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.decoder(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask,
+                              past_key_values=cache, use_cache=True).last_hidden_state[0]  # [q, H]
+        return hidden, output_logits(self.model, hidden)

@@ -37,6 +37,8 @@ from .kv_cache import DraftCache
 from .tree import Tree, build_tree, chain, draft_tree
 from .vocab import DraftVocab
 
+MAX_CONTEXT_VOCAB = 2048  # default slots for context tokens in a reduced draft vocabulary
+
 
 def tree_nodes(depth: int, top_k: int, total_tokens: int) -> int:
     """Drafted nodes of an EAGLE-2 tree: ``total_tokens`` unless fewer candidates exist."""
@@ -59,7 +61,8 @@ class HeadDrafter:
 
     def prepare(self, depth: int, top_k: int, total_tokens: int, capacity: int, context_tokens: int = 0) -> None:
         """Set the tree shape and make room for a generation of up to ``capacity`` positions, of which up to
-        ``context_tokens`` distinct ones may join a reduced draft vocabulary."""
+        ``context_tokens`` distinct ones (default: ``capacity`` up to 2048, in steps of 256) may join a reduced draft
+        vocabulary."""
         self.depth, self.top_k = depth, top_k
         self.total_tokens = tree_nodes(depth, top_k, total_tokens)
         needed = capacity + depth * top_k
@@ -67,7 +70,7 @@ class HeadDrafter:
             cfg, weight = self.draft.config, self.draft.fusion.fc.weight
             self.cache = DraftCache(cfg.num_key_value_heads, cfg.head_dim, needed, weight.dtype, weight.device)
         self.cache.length = 0
-        self.vocab.reserve(context_tokens or capacity)
+        self.vocab.reserve(context_tokens or -(-min(capacity, MAX_CONTEXT_VOCAB) // 256) * 256)
 
     @torch.inference_mode()
     def start(self, ids: torch.Tensor, hidden: torch.Tensor, token: torch.Tensor) -> None:

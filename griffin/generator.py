@@ -91,12 +91,13 @@ class SpecGenerator:
 
     def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, draft: DraftModel | DraftLM,
                  depth: int = 5, top_k: int = 8, total_tokens: int = 24, draft_dtype: torch.dtype | None = None,
-                 weight_major_rows: int | None = None, timing: bool = False, gamma: int = 4):
+                 weight_major_rows: int | None = None, timing: bool = False, compile: str | dict | None = None,
+                 gamma: int = 4):
         for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens), ("gamma", gamma)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.target, self.tokenizer = target, tokenizer
-        self.backend = TargetBackend(target, weight_major_rows)
+        self.backend = TargetBackend(target, weight_major_rows, compile=compile)
         self.device = self.backend.device
         self.gamma = gamma  # chain length of a draft LM
         if isinstance(draft, DraftLM):
@@ -111,6 +112,7 @@ class SpecGenerator:
         self.timing = timing  # split draft / verify / other time in GenerationStats (synchronises the device)
         self.draft_path: Path | None = None  # the folder the head was loaded from, if any
         self._drafter: HeadDrafter | DraftLMDrafter | None = None
+        self._busy = False  # a generation is using the shared KV buffer and drafter
 
     @classmethod
     def from_pretrained(cls, target: str | os.PathLike | PreTrainedModel = EMBEDDED_TARGET,
@@ -119,17 +121,20 @@ class SpecGenerator:
                         device: str | torch.device | None = None, draft_dtype: str | torch.dtype | None = "auto",
                         tokenizer: PreTrainedTokenizerBase | None = None,
                         weight_major_rows: int | None = None, timing: bool = False,
+                        compile: str | dict | None = None,
                         draft_model: str | os.PathLike | PreTrainedModel | None = None,
                         gamma: int | str = "auto") -> SpecGenerator:
-        """``target``: a name (``smollm2-135m-instruct``), a local HF folder or a loaded model; ``draft``: a head
-        folder, a :class:`DraftModel`, or None for the head shipped for the target. ``total_tokens="auto"`` (the
-        default) picks the tree size and depth that maximise the expected speedup on this machine (measured once,
-        then cached), overriding ``depth``; pass an int to fix the tree.
+        """``target``: a name (``smollm2-135m-instruct``), a local HF folder or a loaded model (moved to ``device``
+        and cast to ``dtype`` when given); ``draft``: a head folder, a :class:`DraftModel`, or None for the head
+        shipped for the target. ``total_tokens="auto"`` (the default) picks the tree size and depth that maximise the
+        expected speedup on this machine (measured once, then cached), overriding ``depth``; pass an int to fix it.
         ``draft_dtype="auto"`` runs the head in bf16 where the hardware computes it natively (see
         :func:`fast_draft_dtype`); the head's dtype changes which tokens are drafted, never the output.
         ``weight_major_rows``: verification passes of up to this many tokens compute the target's linear layers
         weight-major (:mod:`griffin.kernels`; default 8 on CPU and 0, off, on GPUs). ``timing``: record the
         draft / verify / other split of each generation's time (synchronises the device; off by default).
+        ``compile``: run verification passes with static shapes through ``torch.compile`` (a mode such as
+        ``"reduce-overhead"``, which uses CUDA graphs, or a dict of its options; off by default).
 
         ``draft_model``: a standalone draft LM instead of a head (classic speculative sampling): a folder (e.g. from
         ``python -m training.distill``) or a loaded HF causal LM that uses the target's tokenizer (checked first:
@@ -138,6 +143,8 @@ class SpecGenerator:
         size)."""
         if isinstance(target, PreTrainedModel):
             model = target.eval()
+            if device is not None or dtype is not None:  # as for a name: the target runs where and how asked
+                model.to(device=device, dtype=resolve_dtype(dtype))
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(model.config._name_or_path)
             target_name = model.config._name_or_path
         else:
@@ -145,7 +152,8 @@ class SpecGenerator:
             tokenizer = tokenizer or loaded_tokenizer
             target_name = str(target)
         if draft_model is not None:
-            return cls._with_draft_lm(model, tokenizer, draft_model, gamma, draft_dtype, weight_major_rows, timing)
+            return cls._with_draft_lm(model, tokenizer, draft_model, gamma, draft_dtype, weight_major_rows, timing,
+                                      compile)
         if draft is None:
             draft = default_head(target_name)
         draft_path = None
@@ -156,7 +164,7 @@ class SpecGenerator:
             draft_dtype = fast_draft_dtype(next(model.parameters()).device)
         gen = cls(model, tokenizer, draft, depth=depth, top_k=top_k, total_tokens=1 if total_tokens == "auto" else
                   total_tokens, draft_dtype=resolve_dtype(draft_dtype), weight_major_rows=weight_major_rows,
-                  timing=timing)
+                  timing=timing, compile=compile)
         gen.draft_path = draft_path
         if total_tokens == "auto":
             from .autotune import autotune
@@ -168,7 +176,7 @@ class SpecGenerator:
     def _with_draft_lm(cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                        draft_model: str | os.PathLike | PreTrainedModel, gamma: int | str,
                        draft_dtype: str | torch.dtype | None, weight_major_rows: int | None,
-                       timing: bool) -> SpecGenerator:
+                       timing: bool, compile: str | dict | None) -> SpecGenerator:
         device = next(model.parameters()).device
         dtype = None if draft_dtype == "auto" else resolve_dtype(draft_dtype)
         vocab, draft_path = None, None
@@ -186,7 +194,7 @@ class SpecGenerator:
         if gamma != "auto" and (not isinstance(gamma, int) or gamma < 1):
             raise ValueError(f"gamma must be a positive integer or 'auto', got {gamma!r}")
         draft = DraftLM(lm, vocab, target_width=model.get_output_embeddings().weight.shape[0])
-        gen = cls(model, tokenizer, draft, weight_major_rows=weight_major_rows, timing=timing,
+        gen = cls(model, tokenizer, draft, weight_major_rows=weight_major_rows, timing=timing, compile=compile,
                   gamma=1 if gamma == "auto" else gamma)
         gen.draft_path = draft_path
         if gamma == "auto":
@@ -231,15 +239,19 @@ class SpecGenerator:
 
     # --- generation ----------------------------------------------------------------------------------------------
 
-    def make_drafter(self, capacity: int) -> HeadDrafter | DraftLMDrafter:
-        """The drafter, prepared for one generation of up to ``capacity`` positions (built once, then reused: its
-        draft vocabulary and KV cache survive across generations)."""
+    def make_drafter(self, capacity: int, shared: bool = True) -> HeadDrafter | DraftLMDrafter:
+        """The drafter, prepared for one generation of up to ``capacity`` positions. ``shared``: the one built once
+        and reused (its draft vocabulary and KV cache survive across generations), else a new one."""
         if isinstance(self.draft, DraftLM):
+            if not shared:
+                return DraftLMDrafter(self.draft, self.gamma, capacity)
             if self._drafter is None or self._drafter.draft is not self.draft:
                 self._drafter = DraftLMDrafter(self.draft, self.gamma, capacity)
             else:
                 self._drafter.prepare(self.gamma, capacity)
             return self._drafter
+        if not shared:
+            return HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
         if self._drafter is None or self._drafter.draft is not self.draft:
             self._drafter = HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
         else:
@@ -257,14 +269,26 @@ class SpecGenerator:
         else, EOS and budget checks included, is tensor work on the model's device. ``trace``, if given, receives
         ``(tree, path)`` of every cycle (used to tune the tree size).
         """
+        # the KV buffer and the head's drafter are reused across generations, unless another one is still running
+        shared = not self._busy
+        self._busy = True
+        try:
+            yield from self._cycles(ids, max_new_tokens, sampling, eos, generator, stats, drafter, trace, verifier,
+                                    shared)
+        finally:
+            if shared:
+                self._busy = False
+
+    def _cycles(self, ids, max_new_tokens, sampling, eos, generator, stats, drafter, trace, verifier, shared):
         clock = _Clock(self.device, stats, self.timing)
         started = time.perf_counter()
         p = ids.shape[0]
-        drafter = drafter or self.make_drafter(p + max_new_tokens)
+        drafter = drafter or self.make_drafter(p + max_new_tokens, shared)
         if verifier is None:
             choose = getattr(drafter, "verifier", None)
             verifier = choose(sampling, generator) if choose else default_verifier(sampling, generator)
-        cache = self.backend.prepare(p + max_new_tokens + drafter.total_tokens + 1)
+        max_len = p + max_new_tokens + drafter.total_tokens + 1
+        cache = self.backend.prepare(max_len) if shared else BufferCache(self.num_layers, max_len)
         hidden, logits = self.backend.prefill(ids, cache)
         token = sample_token(logits[-1], sampling, generator)  # [1]
         first, first_is_eos = torch.cat((token, torch.isin(token, eos).long())).tolist()  # host sync
@@ -287,13 +311,8 @@ class SpecGenerator:
             accepted = verifier.accept(tree, logits)
             cache.keep(n, n + accepted.path)  # the accepted entries (and padding) right after the context
             out = accepted.emitted(tree)  # [D+1]
-            remaining = max_new_tokens - stats.new_tokens
-            steps = torch.arange(out.shape[0], device=out.device)
-            hit = torch.isin(out, eos) & (steps <= accepted.length)
-            first_eos = torch.where(hit, steps, out.shape[0]).min()
-            count = torch.minimum(accepted.length, first_eos).clamp(max=remaining - 1) + 1
-            stop = (first_eos < out.shape[0]) | (count == remaining)
-            host = torch.cat((out, torch.stack((count, accepted.length, stop.long())))).tolist()  # the host sync
+            count, stop = emitted_count(out, accepted.length, eos, max_new_tokens - stats.new_tokens)
+            host = torch.cat((out, torch.stack((count, accepted.length, stop)))).tolist()  # the host sync
             count, length, stop = host[-3:]
             cache.crop(n + count)
             if trace is not None:
@@ -380,6 +399,19 @@ class SpecGenerator:
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         return self.generate(messages, **kwargs)
+
+
+def emitted_count(out: torch.Tensor, length: torch.Tensor, eos: torch.Tensor,
+                  remaining: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """How many of a cycle's tokens to emit, on the device: out [D+1] (a accepted tokens, the bonus, padding), length
+    a (0-dim) -> (count, stop) 0-dim longs: up to and including the first EOS, at most ``remaining``; stop is 1 when
+    an EOS was emitted or the budget is spent."""
+    steps = torch.arange(out.shape[0], device=out.device)
+    hit = torch.isin(out, eos) & (steps <= length)
+    first_eos = torch.where(hit, steps, out.shape[0]).min()
+    count = torch.minimum(length, first_eos).clamp(max=remaining - 1) + 1
+    stop = (first_eos < out.shape[0]) | (count == remaining)
+    return count, stop.long()
 
 
 def fast_draft_dtype(device: torch.device) -> torch.dtype | None:

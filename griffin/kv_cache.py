@@ -31,6 +31,11 @@ class BufferLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.cache.static:  # write at the device-side offset, attend over the whole buffer (the mask hides the rest)
+            index = self.cache.offset + torch.arange(key_states.shape[-2], device=self.keys.device)
+            self.keys.index_copy_(2, index, key_states)
+            self.values.index_copy_(2, index, value_states)
+            return self.keys, self.values
         start, end = self.length, self.length + key_states.shape[-2]
         if end > self.keys.shape[-2]:
             raise RuntimeError(f"KV cache full ({end} > {self.keys.shape[-2]} positions)")
@@ -59,21 +64,32 @@ class BufferCache(Cache):
         super().__init__(layers=[BufferLayer(self, i) for i in range(num_layers)])
         self.max_len = max_len
         self.buffers: list[torch.Tensor] = []  # position axis -2; buffers[0]: the one shared by equal layers
+        # static mode (compiled verification): updates write at `offset`, a 0-dim device tensor, and return the whole
+        # buffer, so that every pass has the same shapes and addresses; the host-side lengths are kept by the caller
+        self.static = False
+        self.offset: torch.Tensor | None = None
 
     def storage(self, index: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``index``'s [B, nkv, max_len, D] key and value views, allocated on the first update."""
         shape = (*key.shape[:-2], self.max_len, key.shape[-1])
         same = value.shape[:-2] == key.shape[:-2] and value.shape[-1] == key.shape[-1]
         if not self.buffers and same:
-            self.buffers.append(torch.empty(len(self.layers), 2, *shape, dtype=key.dtype, device=key.device))
+            # zeros, not empty: static passes attend over the whole buffer, where a NaN of old memory would poison
+            # the masked scores
+            self.buffers.append(torch.zeros(len(self.layers), 2, *shape, dtype=key.dtype, device=key.device))
         shared = self.buffers[0] if self.buffers else None
         if (shared is not None and same and shared.shape[2:] == shape and shared.dtype == key.dtype
                 and shared.device == key.device):
             return shared[index, 0], shared[index, 1]
-        keys = torch.empty(shape, dtype=key.dtype, device=key.device)
-        values = torch.empty((*value.shape[:-2], self.max_len, value.shape[-1]), dtype=value.dtype, device=key.device)
+        keys = torch.zeros(shape, dtype=key.dtype, device=key.device)
+        values = torch.zeros((*value.shape[:-2], self.max_len, value.shape[-1]), dtype=value.dtype, device=key.device)
         self.buffers += [keys, values]
         return keys, values
+
+    def advance(self, n: int) -> None:
+        """Count ``n`` entries written in static mode."""
+        for layer in self.layers:
+            layer.length += n
 
     def prepare(self, max_len: int) -> None:
         """Empty the cache for a new sequence of up to ``max_len`` positions, keeping the buffers if they fit."""

@@ -84,7 +84,7 @@ def follow(tree: Tree, choice: torch.Tensor) -> Acceptance:
     on_path = tree.ancestors[deepest]  # [N+1]
     levels = torch.arange(tree.max_depth + 1, device=choice.device)
     at_level = on_path[None, :] & (tree.depths[None, :] == levels[:, None])  # [D+1, N+1]
-    path = at_level.to(torch.uint8).argmax(dim=1)  # levels past `length` have no node: 0 (padding)
+    path = at_level.int().argmax(dim=1)  # levels past `length` have no node: 0 (padding)
     return Acceptance(path, length, choice[deepest].view(1))
 
 

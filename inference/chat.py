@@ -25,8 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--system", default=None, help="a system message")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="target dtype (default: fp32 on CPU, bf16 on CUDA)")
     args = p.parse_args(argv)
-    gen = SpecGenerator.from_pretrained(args.target, args.draft)
+    gen = SpecGenerator.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype)
     history = [{"role": "system", "content": args.system}] if args.system else []
     start = list(history)
     while True:

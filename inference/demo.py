@@ -34,12 +34,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", action="append", help="a user message (repeatable; default: three examples)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="target dtype (default: fp32 on CPU, bf16 on CUDA)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    gen = SpecGenerator.from_pretrained(args.target, args.draft)
+    gen = SpecGenerator.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype)
     sample = args.temperature > 0
     hf_kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=sample, temperature=args.temperature or None,
                      top_p=None, top_k=None)

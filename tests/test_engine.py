@@ -10,6 +10,7 @@ import torch
 from griffin import DraftConfig, DraftModel, SpecGenerator
 from griffin.backend import PackedGQA, TargetBackend
 from griffin.drafters import OracleDrafter
+from griffin.generator import GenerationStats
 from griffin.kv_cache import BufferCache
 from griffin.sampling import SamplingConfig, sample
 from griffin.tree import build_tree, chain
@@ -33,16 +34,20 @@ def head(target, arch="griffin", draft_vocab_size=0, seed=0):
     return DraftModel(DraftConfig.from_target(target.config, arch=arch, draft_vocab_size=draft_vocab_size))
 
 
+def steps(gen: SpecGenerator, prompt: torch.Tensor, max_new_tokens: int, eos=(), drafter=None, temperature=0.0,
+          top_p=1.0, top_k=0):
+    """The generation loop itself (one yield per cycle, the prefill's token first)."""
+    sampling = SamplingConfig(temperature, top_p, top_k)
+    generator = None if sampling.greedy else torch.Generator(device=gen.device).manual_seed(0)
+    return gen._steps(prompt.to(gen.device), max_new_tokens, sampling, gen.eos_ids(list(eos)), generator,
+                      GenerationStats(), drafter)
+
+
 def syncs_per_cycle(gen: SpecGenerator, prompt: torch.Tensor, counter: list[int], **kwargs) -> list[int]:
     """Run the generation loop and count host reads between consecutive yields (the prefill first)."""
-    ids, budget, sampling, generator = gen._prepare(prompt, 24, kwargs.get("temperature", 0.0),
-                                                    kwargs.get("top_p", 1.0), kwargs.get("top_k", 0), None, 0)
-    eos = gen.eos_ids(kwargs.get("eos", []))
     per_cycle = []
     counter[0] = 0
-    from griffin.generator import GenerationStats
-
-    for _ in gen._steps(ids, budget, sampling, eos, generator, GenerationStats()):
+    for _ in steps(gen, prompt, 24, **kwargs):
         per_cycle.append(counter[0])
         counter[0] = 0
     return per_cycle
@@ -100,13 +105,10 @@ def test_one_host_sync_per_cycle_with_an_oracle_and_eos(counted):
     prompt = torch.tensor([5, 17, 33, 2])
     with torch.no_grad():
         ref = target.generate(prompt[None], max_new_tokens=24, do_sample=False)[0, 4:].tolist()
-    ids, budget, sampling, generator = gen._prepare(prompt, 24, 0.0, 1.0, 0, None, 0)
-    from griffin.generator import GenerationStats
-
     drafter = OracleDrafter(ref, depth=3, top_k=3, total_tokens=8, mode="tree", vocab_size=96)
     counted[0] = 0
     per_cycle, out = [], []
-    for chunk in gen._steps(ids, budget, sampling, gen.eos_ids(ref[10]), generator, GenerationStats(), drafter):
+    for chunk in steps(gen, prompt, 24, eos=[ref[10]], drafter=drafter):
         per_cycle.append(counted[0])
         out += chunk.tolist()
         counted[0] = 0
@@ -120,12 +122,8 @@ def test_one_host_sync_per_cycle_with_an_oracle_and_eos(counted):
 def test_one_host_sync_per_cycle_on_cuda(temperature):
     target = tiny_model("llama", vocab_size=96).cuda()
     gen = SpecGenerator(target, NoTokenizer(), head(target, "griffin", 40), depth=4, top_k=4, total_tokens=12)
-    ids, budget, sampling, generator = gen._prepare(torch.tensor([5, 17, 33, 2, 60]), 24, temperature, 0.9, 20,
-                                                    None, 0)
-    from griffin.generator import GenerationStats
-
-    steps = gen._steps(ids, budget, sampling, gen.eos_ids([]), generator, GenerationStats())
-    next(steps)  # the prefill and its first allocations
+    loop = steps(gen, torch.tensor([5, 17, 33, 2, 60]), 24, temperature=temperature, top_p=0.9, top_k=20)
+    next(loop)  # the prefill and its first allocations
     per_cycle = []
     torch.cuda.synchronize()
     try:
@@ -134,7 +132,7 @@ def test_one_host_sync_per_cycle_on_cuda(temperature):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
-                    next(steps)
+                    next(loop)
                 except StopIteration:
                     break
             per_cycle.append(sum("synchroniz" in str(w.message) for w in caught))
@@ -256,3 +254,67 @@ def test_buffer_cache_serves_layers_of_other_shapes():
     cache.keep(1, torch.tensor([2]))
     assert cache.length == 2 and torch.equal(cache.layers[1].keys[:, :, 1], k1[:, :, 2])
     assert torch.equal(cache.layers[0].values[:, :, 1], k0[:, :, 2] + 1)
+
+
+def test_interleaved_generations_do_not_share_buffers():
+    target = tiny_model("llama", vocab_size=96, seed=2)
+    gen = SpecGenerator(target, NoTokenizer(), head(target), depth=3, top_k=3, total_tokens=8)
+    prompts = [torch.tensor([5, 17, 33]), torch.tensor([60, 2, 71, 8, 9])]
+    refs = [target.generate(p[None], max_new_tokens=20, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    runs = [steps(gen, p, 20) for p in prompts]
+    outs: list[list[int]] = [[], []]
+    live = [0, 1]
+    while live:
+        for i in list(live):  # one cycle of each in turn
+            try:
+                outs[i] += next(runs[i]).tolist()
+            except StopIteration:
+                live.remove(i)
+    assert outs == refs
+    assert gen.generate(prompts[0], max_new_tokens=20).sequences[0, 3:].tolist() == refs[0]  # shared again
+    assert not gen._busy
+
+
+def test_compiled_static_verification_traces_whole_and_keeps_the_output():
+    target = tiny_model("llama", vocab_size=96)
+    # backend="eager": dynamo traces the static pass (fullgraph: no graph break) without generating code
+    gen = SpecGenerator(target, NoTokenizer(), head(target), depth=3, top_k=3, total_tokens=8,
+                        compile={"backend": "eager", "fullgraph": True})
+    prompt = torch.tensor([5, 17, 33, 2, 60])
+    ref = target.generate(prompt[None], max_new_tokens=16, do_sample=False)
+    out = gen.generate(prompt, max_new_tokens=16)
+    assert torch.equal(out.sequences, ref) and out.stats.cycles > 3
+    assert gen.backend.cache.max_len >= 1024 and gen.backend.cache.length == 5 + 16 - 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_verification_keeps_the_output(dtype):
+    target = tiny_model("llama", vocab_size=96).to("cuda", dtype)
+    gen = SpecGenerator(target, NoTokenizer(), head(target), depth=4, top_k=4, total_tokens=12,
+                        compile="reduce-overhead")
+    eager = SpecGenerator(target, NoTokenizer(), head(target), depth=4, top_k=4, total_tokens=12)
+    for seed in range(3):
+        prompt = torch.randint(0, 96, (6 + seed,), generator=torch.Generator().manual_seed(seed)).cuda()
+        ref = target.generate(prompt[None], max_new_tokens=32, do_sample=False)
+        assert torch.equal(eager.generate(prompt, max_new_tokens=32).sequences, ref)
+        assert torch.equal(gen.generate(prompt, max_new_tokens=32).sequences, ref)
+
+
+def test_small_verification_passes_run_weight_major_on_cpu(monkeypatch):
+    import torch.nn.functional as F
+
+    target = tiny_model("llama", vocab_size=64)
+    backend = TargetBackend(target)  # CPU: weight-major up to 8 rows by default
+    backend.prepare(64)
+    backend.prefill(torch.arange(10))
+    calls = []
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    for size, linear_calls in ((3, 0), (11, 2 * 7 + 1)):  # all q, k, v, o, gate, up, down and the LM head
+        calls.clear()
+        tree = chain(torch.tensor([1]), torch.arange(2, 2 + size))
+        backend.forward(tree.tokens, 10 + tree.depths, tree.ancestors)
+        backend.cache.crop(10)
+        assert len(calls) == linear_calls, size
