@@ -167,7 +167,8 @@ class SpecGenerator:
             target_name = str(target)
         check_target(model)
         if draft_model is not None:
-            return cls._with_draft_lm(model, tokenizer, draft_model, gamma, draft_dtype, weight_major_rows, timing)
+            return cls._with_draft_lm(model, tokenizer, draft_model, gamma, draft_dtype, weight_major_rows, timing,
+                                      compile)
         if draft is None:
             draft = default_head(target_name)
         draft_path = None
@@ -190,7 +191,7 @@ class SpecGenerator:
     def _with_draft_lm(cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                        draft_model: str | os.PathLike | PreTrainedModel, gamma: int | str,
                        draft_dtype: str | torch.dtype | None, weight_major_rows: int | None,
-                       timing: bool) -> SpecGenerator:
+                       timing: bool, compile: str | dict | None) -> SpecGenerator:
         device = next(model.parameters()).device
         dtype = None if draft_dtype == "auto" else resolve_dtype(draft_dtype)
         vocab, draft_path = None, None
@@ -208,7 +209,7 @@ class SpecGenerator:
         if gamma != "auto" and (not isinstance(gamma, int) or gamma < 1):
             raise ValueError(f"gamma must be a positive integer or 'auto', got {gamma!r}")
         draft = DraftLM(lm, vocab, target_width=model.get_output_embeddings().weight.shape[0])
-        gen = cls(model, tokenizer, draft, weight_major_rows=weight_major_rows, timing=timing,
+        gen = cls(model, tokenizer, draft, weight_major_rows=weight_major_rows, timing=timing, compile=compile,
                   gamma=1 if gamma == "auto" else gamma)
         gen.draft_path = draft_path
         if gamma == "auto":

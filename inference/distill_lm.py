@@ -220,9 +220,12 @@ def report(result: dict) -> str:
                   f"Fastest plain decoding here: {sp['fastest_plain']}. GRIFFIN head: the shipped "
                   f"{default_head(EMBEDDED_TARGET).name} with tree {HEAD_TREE}.\n\n")
     foot = (f"\nCommand: `{result['command']}`\n\nMachine: {result['machine']['cpu']}, {result['machine']['cores']} "
-            f"cores, torch {result['machine']['torch']}, {result['machine']['date']}. Training took "
-            f"{result['train_minutes']:.1f} min in all, evaluation and speed {result['wall_minutes']:.1f} min (wall "
-            "times on a machine shared with other jobs).\n")
+            f"cores, torch {result['machine']['torch']}, {result['machine']['date']}, shared with other jobs (load "
+            f"about 15 on 2 cores during the run): wall times are long and noisy, ratios from interleaved runs are "
+            f"what to read. Training: {result['train_minutes']:.1f} wall-minutes summed over the students; this "
+            f"command's own run (the evaluations not already kept under --work, then speed): "
+            f"{result['wall_minutes']:.1f} min. Students and evaluations may be produced first in parallel processes "
+            "with --train-only / --eval-only (same settings), as this run's were.\n")
     c = sp["costs"]
     costs = (f"\nMeasured costs: a draft step {1000 * c['draft_step_s']:.1f} ms, "
              f"{c['draft_step_vs_target_step']:.2f} of a one-token target step "
