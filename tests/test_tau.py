@@ -162,3 +162,37 @@ def test_continuations_resume_and_feed_the_second_turn(tmp_path, tiny_target_dir
 def test_cli_errors_are_one_line(args, message):
     code, err = run_main("inference.tau", *args)
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_cli_engine_check_and_reference(tmp_path, tiny_target_dir):
+    model, _ = load_target(tiny_target_dir)
+    head = tmp_path / "head"
+    head_for(model).save_pretrained(head)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Say hello.\nCount to three.\n")
+    common = ["--target", str(tiny_target_dir), "--heads", str(head), "--bench", str(prompts), "--max-new-tokens",
+              "12", "--draft-dtype", "fp32", "--total-tokens", "10", "--depth", "4", "--top-k", "4",
+              "--continuations", str(tmp_path / "cont")]
+    code, err = run_main("inference.tau", *common, "--engine-check", "2", "--out", str(tmp_path / "first"))
+    assert code == 0, err
+    first = json.loads((tmp_path / "first.json").read_text())
+    run = first["heads"]["head"]["0"]
+    assert [(r["engine_tau"], r["same_output"]) for r in run["engine_check"]] == \
+        [(r["replay_tau"], True) for r in run["engine_check"]]
+    assert [r["replay_tau"] for r in run["engine_check"]] == [p["tau"] for p in run["per_prompt"]]
+    # a speed run's JSON as the reference: its temperature and questions are taken, per-prompt τ compared
+    reference = {"bench": first["bench"], "max_new_tokens": 12, "tree": first["tree"], "temperature": 0.0,
+                 "n_questions": 2, "tau": run["tau"], "command": "python -m inference.speed ...",
+                 "per_prompt": [{"question_id": r["question_id"], "turn": r["turn"], "tau": r["engine_tau"]}
+                                for r in run["engine_check"]]}
+    (tmp_path / "speed.json").write_text(json.dumps(reference))
+    code, err = run_main("inference.tau", *common, "--references", str(tmp_path / "speed.json"), "--out",
+                         str(tmp_path / "second"))
+    assert code == 0, err
+    compared = json.loads((tmp_path / "second.json").read_text())["heads"]["head"]["0"]["reference"]
+    assert (compared["same_tau"], compared["n_prompts"]) == (2, 2)
+    assert "Against speed runs" in (tmp_path / "second.md").read_text()
+    reference["tree"] = {"depth": 5, "top_k": 8, "total_tokens": 24}
+    (tmp_path / "speed.json").write_text(json.dumps(reference))
+    code, err = run_main("inference.tau", *common, "--references", str(tmp_path / "speed.json"))
+    assert code == 2 and "--total-tokens" in err
