@@ -141,7 +141,14 @@ def validate_init(args) -> list[dict]:
 
 
 def evaluate_missing(args, argv: list[str] | None) -> None:
+    """τ of every head without a result, prompt by prompt: each replay is appended to a partial file, so a killed run
+    resumes at the prompt it stopped at; the result files are written when a temperature is complete."""
+    import dataclasses
+
     import torch
+    from tqdm.auto import tqdm
+
+    from griffin.target import EMBEDDED_TARGET, load_target
 
     from . import tau
 
@@ -150,24 +157,49 @@ def evaluate_missing(args, argv: list[str] | None) -> None:
     if not init_validation.is_file():
         atomic_write_json(init_validation, {"features": args.features, "init": args.init,
                                             "passes": validate_init(args)})
+    model = tokenizer = None
     for temperature in args.temps:
         missing = {n: str(f) for n, f in head_folders(args).items() if not result_path(args, n, temperature).is_file()}
         if not missing:
             continue
-        print(f"τ at T={temperature:g} for {', '.join(missing)}", flush=True)
+        if model is None:
+            model, tokenizer = load_target(EMBEDDED_TARGET)
+        samples = tau.continuations(model, tokenizer, args.bench, temperature, 0, args.max_new_tokens,
+                                    args.limit[temperature])
+        heads = {name: tau.prepare_head(path, model) for name, path in missing.items()}
+        partial = Path(args.results) / f".{args.bench}-T{temperature:g}.partial.jsonl"
+        done: dict[str, dict[tuple, tau.PromptTau]] = {name: {} for name in heads}
+        if partial.is_file():
+            for line in partial.read_text().splitlines():
+                record = json.loads(line)
+                name = record.pop("head")
+                if name in done:
+                    done[name][(record["question_id"], record["turn"])] = tau.PromptTau(**record)
+        print(f"τ at T={temperature:g} for {', '.join(missing)} on {len(samples)} prompts", flush=True)
         start = time.perf_counter()
-        results = tau.evaluate_heads(missing, bench=args.bench, temperature=temperature,
-                                     limit=args.limit[temperature], max_new_tokens=args.max_new_tokens,
-                                     tree=(args.total_tokens, args.depth, args.top_k))
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        with partial.open("a") as log:
+            for sample in tqdm(samples, desc=f"τ T={temperature:g}", unit="prompt", dynamic_ncols=True):
+                key = (sample.question_id, sample.turn)
+                todo = {name: head for name, head in heads.items() if key not in done[name]}
+                if not todo:
+                    continue
+                for name, res in tau.evaluate(todo, model, [sample], args.depth, args.top_k, args.total_tokens,
+                                              progress=False).items():
+                    done[name][key] = res.prompts[0]
+                    log.write(json.dumps({"head": name, **dataclasses.asdict(res.prompts[0])}) + "\n")
+                log.flush()
         seconds = time.perf_counter() - start
-        for name, res in results.items():
+        for name in heads:
+            res = tau.TauResult(args.depth, [done[name][(s.question_id, s.turn)] for s in samples])
             record = {"head": name, "path": missing[name], "bench": args.bench, "temperature": temperature,
                       "limit": args.limit[temperature], "max_new_tokens": args.max_new_tokens,
                       "tree": {"total_tokens": args.total_tokens, "depth": args.depth, "top_k": args.top_k},
-                      **res.as_dict(), "seconds_all_heads": seconds, "machine": machine_info(),
+                      **res.as_dict(), "seconds_this_run_all_heads": seconds, "machine": machine_info(),
                       "command": command_line("inference.distill_heads", argv)}
             atomic_write_json(result_path(args, name, temperature), record)
             print(f"{name} T={temperature:g}: τ {res.tau:.3f} ± {res.tau_se:.3f}", flush=True)
+        partial.unlink()
 
 
 def paired(a: list[dict], b: list[dict]) -> tuple[float, float]:
