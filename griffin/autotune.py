@@ -217,6 +217,7 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64) -> dict:
     budget_s = budget_s or BUDGET_S
     clock = _Clock(budget_s)
     try:
+        gen.generate(next(_calibration_prompts(gen)), max_new_tokens=4)  # one-time costs of the first calls: untimed
         trace, totals = _calibrate(gen, clock, max_new_tokens)
         cycles = totals["cycles"]
         measured_tau = (totals["new_tokens"] / cycles) if cycles else 1.0
@@ -227,7 +228,8 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64) -> dict:
             reason = f"the default tree: only {cycles} calibration cycles fitted in the time (machine too busy?)"
             choice.update(depth=depth, total_tokens=total, reason=reason, tuning_s=clock.elapsed)
             return choice
-        costs = forward_cost(gen, [1] + [n + 1 for n in TOTALS], repeats=7, deadline=clock.deadline("forward cost"))
+        costs = forward_cost(gen, [1] + [n + 1 for n in TOTALS], context=128, repeats=7,
+                             deadline=clock.deadline("forward cost"))
         clock.tick("forward cost")
         running = 0.0
         for n in sorted(costs):  # non-decreasing in n: noise never makes a larger pass look cheaper
@@ -245,7 +247,7 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64) -> dict:
         default = next(row for row in table if (row["depth"], row["total_tokens"]) == DEFAULT_TREE)
         measured = {}
         if pick != DEFAULT_TREE:
-            measured = _check(gen, clock, pick, max(16, max_new_tokens // 2))
+            measured = _check(gen, clock, pick, 16)
             if measured[DEFAULT_TREE] < measured[pick]:
                 reason = (f"the default tree: measured {measured[pick] / measured[DEFAULT_TREE]:.2f}x slower per "
                           f"token than it, the best estimate ({pick[1]} nodes, depth {pick[0]}) lost")

@@ -35,7 +35,7 @@ from griffin.kernels import default_one_row
 from griffin.plain import plain_generate
 from griffin.sampling import SamplingConfig
 from griffin.target import EMBEDDED_TARGET, load_target
-from training.cli import run_cli
+from training.cli import add_tree_arguments, nonnegative_float, positive_int, run_cli
 
 from .questions import BENCHES, EXTRA_BENCHES, load_questions
 from .report import command_line, machine_info, markdown_table
@@ -52,15 +52,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a question set, or all (the three headline sets)")
     p.add_argument("--target", default=EMBEDDED_TARGET)
     p.add_argument("--draft", default=None, help="head folder (default: the head shipped for the target)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--limit", type=int, default=None, help="only the first n questions")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--temperature", type=nonnegative_float, default=0.0)
+    p.add_argument("--limit", type=positive_int, default=None, help="only the first n questions")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="target dtype")
     p.add_argument("--draft-dtype", default="auto", choices=["auto", "fp32", "bf16"],
                    help="draft head dtype (auto: bf16 where the hardware computes it natively)")
-    p.add_argument("--depth", type=int, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--total-tokens", default=None, help="tree size, or 'auto' (tuned for this machine and head)")
+    p.add_argument("--depth", type=positive_int, default=None)
+    p.add_argument("--top-k", type=positive_int, default=None)
+    add_tree_arguments(p)
     p.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma-separated subset of {','.join(METHODS)} (ours is required)")
     p.add_argument("--seed", type=int, default=0)
@@ -72,10 +72,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "ours" not in methods or any(m not in METHODS for m in methods):
         p.error(f"--methods must include ours and only name {', '.join(METHODS)}")
     args.methods = methods
-    if args.max_new_tokens < 1:
-        p.error("--max-new-tokens must be at least 1")
-    if args.temperature < 0:
-        p.error("--temperature must be >= 0")
     return args
 
 
@@ -247,7 +243,8 @@ def run_bench(bench: str, gen: SpecGenerator, runner: Runner, args: argparse.Nam
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = result_stem(bench, tag, args.temperature, args.dtype)
     questions = load_questions(bench, args.limit)
-    settings = {k: v for k, v in vars(args).items() if k not in ("bench", "out_dir", "argv")} | {"bench": bench}
+    skip = ("bench", "out_dir", "argv", "retune")
+    settings = {k: v for k, v in vars(args).items() if k not in skip} | {"bench": bench}
     partial = out_dir / f".{stem}.partial.jsonl"
     records = load_partial(partial, json.loads(json.dumps(settings)))
     done = {r["question_id"] for r in records}
@@ -277,8 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model, tokenizer = load_target(args.target, dtype=args.dtype)
     kwargs = {k: getattr(args, k) for k in ("depth", "top_k") if getattr(args, k) is not None}
-    if args.total_tokens is not None:
-        kwargs["total_tokens"] = args.total_tokens if args.total_tokens == "auto" else int(args.total_tokens)
+    kwargs.update(total_tokens=args.total_tokens, retune=args.retune)
     gen = SpecGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer, draft_dtype=args.draft_dtype,
                                         **kwargs)
     tag = args.tag or Path(gen.draft_path or "head").name

@@ -239,8 +239,8 @@ def test_bad_training_input_gives_clear_errors(tmp_path, tiny_store, tiny_target
     out = ["--out", str(tmp_path / "o")]
     (tmp_path / "empty-folder").mkdir()
     check("--features", str(tmp_path / "empty-folder"), *out, message="manifest.json is missing")
-    check("--features", str(tiny_store), *out, "--steps", "0", message="--steps must be at least 1")
-    check("--features", str(tiny_store), *out, "--topk", "-1", message="--topk must be >= 0")
+    check("--features", str(tiny_store), *out, "--steps", "0", message="argument --steps: must be an integer >= 1")
+    check("--features", str(tiny_store), *out, "--topk", "-1", message="argument --topk: must be an integer >= 0")
     check("--features", str(tiny_store), *out, "--target", "smollm2-135m-instruct",
           message="were built with target")
     empty = tmp_path / "no-samples"

@@ -34,6 +34,7 @@ from .store import (
     BUILD,
     MANIFEST,
     Conversation,
+    DamagedShard,
     FeatureStore,
     StoreError,
     read_shard_stats,
@@ -130,8 +131,8 @@ def shard_is_sound(path: Path) -> bool:
     try:
         read_shard_stats(path)
         return True
-    except StoreError as err:
-        log.warning("%s: rebuilding it", err)
+    except DamagedShard as err:
+        log.warning("%s: rebuilding it", err.problem)
         return False
 
 

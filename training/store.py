@@ -67,17 +67,23 @@ def write_shard(path: Path, items: list[Conversation], stats: dict[str, Any], vo
     atomic_write(path, lambda p: save_file(tensors, str(p), metadata=meta))
 
 
+class DamagedShard(StoreError):
+    """A shard file that does not read back; ``problem`` says what is wrong with it."""
+
+    def __init__(self, problem: str):
+        super().__init__(f"{problem}: rerun build_features with the same --out to rebuild it")
+        self.problem = problem
+
+
 def open_shard(path: Path):
-    """A shard's safetensors handle; a truncated, corrupted or foreign file raises StoreError naming it."""
+    """A shard's safetensors handle; a truncated, corrupted or foreign file raises DamagedShard naming it."""
     try:
         handle = open_safetensors(path)
     except ValueError as err:
-        raise StoreError(f"feature shard {err}: delete it and rerun build_features with the same --out to rebuild "
-                         "it") from None
+        raise DamagedShard(f"feature shard {err}") from None
     missing = sorted({"input_ids", "loss_mask", "hidden", "offsets", "token_counts"} - set(handle.keys()))
     if missing or "stats" not in (handle.metadata() or {}):
-        raise StoreError(f"{path} is not a feature shard (missing {missing or 'its stats'}): delete it and rerun "
-                         "build_features with the same --out to rebuild it")
+        raise DamagedShard(f"{path} is not a feature shard (missing {missing or 'its stats'})")
     return handle
 
 
@@ -146,6 +152,11 @@ class FeatureStore:
             loss_mask=handle.get_slice("loss_mask")[start:end],
             hidden=handle.get_slice("hidden")[start:end],
         )
+
+    def loss_mask(self, i: int) -> torch.Tensor:
+        """Conversation ``i``'s loss mask [T] alone (no hidden states read)."""
+        s, start, end = self._index[i]
+        return self._handles[s].get_slice("loss_mask")[start:end]
 
     def token_counts(self) -> torch.Tensor:
         """Frequency of every token id among the assistant tokens of the store [V]."""

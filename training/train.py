@@ -189,6 +189,10 @@ class Trainer:
             raise StoreError(f"--max-len {args.max_len} is longer than the conversations in {args.features} (built "
                              f"with --max-len {stored}): use at most {stored}, or rebuild the features")
         self.max_len = args.max_len or stored
+        # position t is in the loss when token t+1 is an assistant token (make_batch's shift)
+        if not any(store.loss_mask(i)[1 : self.max_len].any() for i in self.train_idx):
+            raise StoreError(f"no training conversation in {args.features} has an assistant token within --max-len "
+                             f"{self.max_len}: there is nothing to train on (raise --max-len)")
         torch.manual_seed(args.seed)
         draft = build_head(args, store, target_head)
         if args.topk > draft.config.output_vocab_size:
