@@ -323,6 +323,12 @@ def commit(args, message: str) -> None:
 # --- the loop -------------------------------------------------------------------------------------------------------
 
 
+def consumed_text(state: dict, head: Head) -> str:
+    if head.name in state["heads"] or head.parent is None:
+        return str(chunks_done(state, head))
+    return f"not started (forks from {head.parent} at stage 2)"
+
+
 def figure(value: float | None, digits: int) -> str:
     """A validation figure; null when nothing was measured (no position left at that pass)."""
     return "-" if value is None else f"{value:.{digits}f}"
@@ -332,7 +338,7 @@ def progress_markdown(cfg: dict, state: dict) -> str:
     """README of the --checkpoints folder: what each head has consumed and its learning curve."""
     from inference.report import markdown_table
 
-    heads = markdown_table(["head", "chunks consumed", "of"], [[h.name, chunks_done(state, h), cfg["chunks"]]
+    heads = markdown_table(["head", "chunks consumed", "of"], [[h.name, consumed_text(state, h), cfg["chunks"]]
                                                               for h in STAGE1 + HEADS])
     curve = markdown_table(["head", "chunk", "K", "tokens seen", "top-1 per pass", "kept per pass"],
                            [[r["head"], r["chunk"], r["steps"], f"{r['tokens_seen']:,}",
@@ -353,7 +359,7 @@ def plan_text(cfg: dict, state: dict) -> str:
     return (f"{cfg['records']} records, {cfg['shards']} shards, {groups} groups of {cfg['chunk_shards']} shards, "
             f"{cfg['chunks']} chunks (ShareGPT{' and regenerated answers' if cfg['regen_records'] else ''}); stages "
             f"end at chunks {cfg['stage_ends']}; {cfg['regen_records']} regenerated first turns per group; chunks "
-            "consumed: " + ", ".join(f"{h.name} {chunks_done(state, h)}" for h in STAGE1 + HEADS) + ".")
+            "consumed: " + ", ".join(f"{h.name} {consumed_text(state, h)}" for h in STAGE1 + HEADS) + ".")
 
 
 def main(argv: list[str] | None = None) -> int:
