@@ -93,6 +93,8 @@ class DraftConfig:
             rope = dict(get("rope_scaling") or {"rope_type": "default"})
             rope.setdefault("rope_type", rope.pop("type", "default"))
             rope["rope_theta"] = get("rope_theta", 10000.0)
+        if "rope_theta" not in rope and isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma-3)
+            rope = rope["full_attention"]  # the head's one layer attends over the whole context
         fields = dict(
             arch=arch,
             hidden_size=get("hidden_size"),
