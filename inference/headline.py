@@ -104,8 +104,13 @@ def costs(results_dir: Path) -> str:
         feats = ", ".join(f"{f['tokens_per_s']:.0f} tokens/s in {f['compute_dtype']}" for f in r["features"])
         train = ", ".join(f"K={t['steps']} {'bf16' if t['mixed_precision'] == 'bf16' else 'fp32'} "
                           f"{t['tokens_per_s']:.0f}" for t in r["training"])
+        regen = ""
+        if "regeneration" in r:
+            best = max(r["regeneration"]["rows"], key=lambda x: x["tokens_per_s"])
+            regen = (f"; regeneration at most {best['tokens_per_s']:.1f} new tokens/s ({best['engine']}, "
+                     f"{best['dtype']}, batch {best['batch_size']}, {best['cache']} cache, {best['threads']} threads)")
         lines.append(f"- Training pipeline ([{pipeline.as_posix()}]({pipeline.as_posix()})): features {feats}; "
-                     f"training tokens/s {train}.")
+                     f"training tokens/s {train}{regen}.")
     if not lines:
         return ""
     machine = json.loads((engine if engine.is_file() else pipeline).read_text())["machine"]

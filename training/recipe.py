@@ -33,7 +33,7 @@ against tokens seen) and the seconds of every step of every chunk; ``README.md``
 ``--commit`` that folder is committed to the current branch: at the first head a run exports, then at most once per
 ``--commit-every`` seconds, and at every stage end. A rerun on any machine reads ``recipe.json``: each head continues
 from its committed head (``--init-from``) with the next chunk it has not consumed; features are built only for
-those chunks. Work inside a chunk (regeneration parts, feature shards, training state every 100 updates) resumes on
+those chunks. Work inside a chunk (regeneration parts, feature shards, training state every 50 updates) resumes on
 the same machine.
 
 **Time here** (2 CPU cores shared with other work, one thread): the rates of each step are in
@@ -273,7 +273,7 @@ def train(args, cfg: dict, state: dict, head: Head, chunk: int, store: Path) -> 
     lr = LR[stage] * LR_DECAY ** index
     argv = ["--features", str(store), "--out", str(run), "--arch", head.arch, "--steps", str(head.steps[stage - 1]),
             "--topk", str(head.topk), "--lr", f"{lr:.3g}", "--epochs", "1", "--batch-size", str(cfg["batch_size"]),
-            "--draft-vocab", str(cfg["draft_vocab"]), "--mixed-precision", "bf16", "--save-every", "100"]
+            "--draft-vocab", str(cfg["draft_vocab"]), "--mixed-precision", "bf16", "--save-every", "50"]
     if init is not None:
         argv += ["--init-from", str(init)]
     if (run / "train_state").is_dir():
