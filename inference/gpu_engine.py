@@ -84,17 +84,16 @@ class Plan:
     tree_sizes: tuple[int, ...]
     cost_sizes: tuple[int, ...]
     repeats: int  # of each size of the cost curve (the median is kept)
-    tune_tokens: int  # per calibration prompt of the tree tuner
     oracle_passes: int = 4
 
 
 FULL = Plan(prompts=2, prompt_len=448, new_tokens=128, untrained_tokens=64,
             tree_sizes=(1, 2, 3, 4, 6, 10, 16, 24, 32, 48, 60),
-            cost_sizes=(*range(1, 17), *range(20, 65, 4), *range(72, 129, 8)), repeats=5, tune_tokens=48)
+            cost_sizes=(*range(1, 17), *range(20, 65, 4), *range(72, 129, 8)), repeats=5)
 QUICK = Plan(prompts=2, prompt_len=448, new_tokens=64, untrained_tokens=32, tree_sizes=(1, 2, 4, 6, 16, 60),
-             cost_sizes=(1, 2, 4, 8, 16, 32, 64, 128), repeats=3, tune_tokens=16)
+             cost_sizes=(1, 2, 4, 8, 16, 32, 64, 128), repeats=3)
 TINY = Plan(prompts=1, prompt_len=32, new_tokens=24, untrained_tokens=8, tree_sizes=(1, 6, 60), cost_sizes=(1, 8, 64),
-            repeats=2, tune_tokens=4)  # the tiny shape checks the command, on any machine, in seconds
+            repeats=2)  # the tiny shape checks the command, on any machine, in seconds
 
 
 class IdTokenizer:
@@ -386,10 +385,10 @@ class Shape:
 
     def tune(self) -> None:
         with tempfile.TemporaryDirectory() as cache, mock.patch.dict(os.environ, {"GRIFFIN_CACHE": cache}):
-            (depth, _, total), seconds = timed(self.device, lambda: autotune(self.gen, self.plan.tune_tokens))
+            (depth, _, total), seconds = timed(self.device, lambda: autotune(self.gen, retune=True))
             choice = json.loads(next((Path(cache) / "autotune").glob("*.json")).read_text())
         self.result["autotune"] = {"depth": depth, "total_tokens": total, "expected_tau": choice["expected_tau"],
-                                   "expected_speedup": choice["expected_speedup_vs_plain_forward"],
+                                   "expected_speedup": choice["expected_speedup"],
                                    "tuner_forward_cost_s": choice["forward_cost_s"], "seconds": seconds}
         self.save()
 

@@ -378,11 +378,15 @@ class TauResult:
         return [passed[d] / reached[d] if reached[d] else float("nan") for d in range(1, self.depth + 1)]
 
     def accepted_hist(self) -> dict[int, int]:
-        """Tokens emitted per cycle, bonus included (before the final cycle's cut, as the engine counts) -> cycles."""
+        """Tokens emitted per cycle, bonus included -> cycles. As the engine counts: the final cycle emits only what
+        is left of the continuation (it may stop at EOS or the budget inside its accepted path)."""
         hist: dict[int, int] = {}
         for p in self.prompts:
-            for depth in p.depths:
-                hist[depth + 1] = hist.get(depth + 1, 0) + 1
+            emitted = [depth + 1 for depth in p.depths]
+            if emitted:
+                emitted[-1] = p.new_tokens - 1 - sum(emitted[:-1])  # the prefill emitted the first token
+            for count in emitted:
+                hist[count] = hist.get(count, 0) + 1
         return dict(sorted(hist.items()))
 
     def as_dict(self) -> dict:

@@ -87,13 +87,15 @@ def test_tuning_on_a_machine_too_busy_to_measure_keeps_the_default_tree_within_t
     monkeypatch.setenv("GRIFFIN_CACHE", str(tmp_path))
     target = tiny_model("llama", vocab_size=64)
     gen = SpecGenerator(target, CharTokenizer(), DraftModel(DraftConfig.from_target(target.config)))
-    forward = gen._target_forward
 
-    def slow(*args, **kwargs):
-        time.sleep(0.1)  # every target pass takes 100 ms: a busy machine
-        return forward(*args, **kwargs)
+    def slowed(fn):
+        def slow(*args, **kwargs):
+            time.sleep(0.1)  # every target pass takes 100 ms: a busy machine
+            return fn(*args, **kwargs)
+        return slow
 
-    monkeypatch.setattr(gen, "_target_forward", slow)
+    for name in ("prefill", "forward"):  # the passes of generation and of the cost curve
+        monkeypatch.setattr(gen.backend, name, slowed(getattr(gen.backend, name)))
     t0 = time.perf_counter()
     choice = autotune.tune(gen, budget_s=1.0)
     assert time.perf_counter() - t0 < 1.5
