@@ -42,11 +42,11 @@ def test_greedy_replay_has_the_engines_cycles(arch):
     head = head_for(target, arch)
     draft = prepare_head(head, target, F64)
     lengths = set()
-    shapes = [(5, 4, 12), (3, 3, 7), (4, 6, 20)] if arch == "griffin" else [(5, 4, 12)]
+    shapes = [(5, 4, 12), (3, 3, 7)] if arch == "griffin" else [(4, 6, 20)]
     for depth, top_k, total in shapes:
         gen = SpecGenerator(target, NoTokenizer(), head, depth=depth, top_k=top_k, total_tokens=total, draft_dtype=F64)
         samples, stats = [], []
-        for seed in range(4):
+        for seed in range(3):
             prompt = torch.randint(0, 16, (5 + seed,), generator=torch.Generator().manual_seed(seed))
             eos = [3] if seed % 2 else None  # some runs stop at EOS, possibly inside an accepted path
             out = gen.generate(prompt, max_new_tokens=30 + seed, eos_token_id=eos)
@@ -75,7 +75,7 @@ def test_sampled_replay_has_the_engines_cycles_on_the_engines_own_samples():
     draft = prepare_head(head, target, F64)
     prompt = torch.tensor([1, 7, 3, 9])
     lengths = set()
-    for seed in range(12):
+    for seed in range(8):
         out = gen.generate(prompt, max_new_tokens=24, temperature=1.0, seed=seed)
         cont = out.sequences[0, 4:]
         ours = replay(HeadDrafter(draft, 4, 4, 12, 40), prompt, cont, target_features(target, prompt, cont))
@@ -105,7 +105,7 @@ def test_sampled_replay_has_the_engines_tau_distribution():
             exact[tau] = exact.get(tau, 0.0) + p
     assert len(exact) == 3 and abs(sum(exact.values()) - 1) < 1e-6  # τ = 4, 2 or 4/3
     gen = SpecGenerator(target, NoTokenizer(), head, depth=3, top_k=2, total_tokens=4, draft_dtype=F64)
-    runs = 250
+    runs = 200
     counts = {tau: 0 for tau in exact}
     for seed in range(runs):
         counts[gen.generate(prompt, max_new_tokens=4, temperature=1.0, seed=seed).stats.tau] += 1
