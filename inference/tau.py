@@ -55,8 +55,8 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -414,22 +414,32 @@ def prepare_head(head: str | Path | DraftModel, target: PreTrainedModel,
 
 
 def evaluate(heads: Mapping[str, DraftModel], target: PreTrainedModel, samples: Sequence[Sample], depth: int = 5,
-             top_k: int = 8, total_tokens: int = 24, progress: bool = True) -> dict[str, TauResult]:
+             top_k: int = 8, total_tokens: int = 24, progress: bool = True,
+             known: Mapping[tuple, PromptTau] | None = None,
+             on_prompt: Callable[[str, PromptTau], None] | None = None) -> dict[str, TauResult]:
     """Replay every prompt for every head (attached, in their drafting dtype: :func:`prepare_head`); the target's
-    features are computed once per prompt."""
+    features are computed once per prompt. ``known``: results already at hand, by (head name, question_id, turn);
+    ``on_prompt(name, result)`` is called for each new one."""
     for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    known = known or {}
     device = next(target.parameters()).device
     results = {name: TauResult(depth) for name in heads}
     for sample in tqdm(samples, desc="replay", unit="prompt", dynamic_ncols=True, disable=not progress):
-        prompt = torch.tensor(sample.prompt, dtype=torch.long, device=device)
-        continuation = torch.tensor(sample.continuation, dtype=torch.long, device=device)
-        hidden = target_features(target, prompt, continuation)
+        hidden = None
         for name, draft in heads.items():
-            drafter = HeadDrafter(draft, depth, top_k, total_tokens, prompt.shape[0] + continuation.shape[0])
-            results[name].prompts.append(replay(drafter, prompt, continuation, hidden, sample.question_id,
-                                                sample.turn))
+            result = known.get((name, sample.question_id, sample.turn))
+            if result is None:
+                prompt = torch.tensor(sample.prompt, dtype=torch.long, device=device)
+                continuation = torch.tensor(sample.continuation, dtype=torch.long, device=device)
+                if hidden is None:
+                    hidden = target_features(target, prompt, continuation)
+                drafter = HeadDrafter(draft, depth, top_k, total_tokens, prompt.shape[0] + continuation.shape[0])
+                result = replay(drafter, prompt, continuation, hidden, sample.question_id, sample.turn)
+                if on_prompt is not None:
+                    on_prompt(name, result)
+            results[name].prompts.append(result)
     return results
 
 
@@ -462,26 +472,34 @@ def evaluate_heads(heads: Mapping[str, str | Path | DraftModel], bench: str = "m
 
 def engine_check(head: DraftModel, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                  samples: Sequence[Sample], temperature: float, max_new_tokens: int = 128, depth: int = 5,
-                 top_k: int = 8, total_tokens: int = 24, seed: int = 0, progress: bool = True) -> list[dict]:
+                 top_k: int = 8, total_tokens: int = 24, seed: int = 0, progress: bool = True,
+                 known: Mapping[tuple, dict] | None = None,
+                 on_row: Callable[[dict], None] | None = None) -> list[dict]:
     """Run the real engine on the samples' prompts and replay its own output: per prompt, the engine's τ and the
     replay's (equal unless float rounding flips a draft tie; see the module docstring) and, at T=0, whether the
-    engine's output is the stored continuation. ``head`` as :func:`prepare_head` returns it."""
+    engine's output is the stored continuation. ``head`` as :func:`prepare_head` returns it. ``known``: rows
+    already at hand, by (question_id, turn); ``on_row(row)`` is called for each new one."""
+    known = known or {}
     gen = SpecGenerator(target, tokenizer, head, depth=depth, top_k=top_k, total_tokens=total_tokens,
                         draft_dtype=head.fusion.fc.weight.dtype)
     rows = []
     for sample in tqdm(samples, desc=f"engine T={temperature:g}", unit="prompt", dynamic_ncols=True,
                        disable=not progress):
-        prompt = torch.tensor(sample.prompt, dtype=torch.long, device=gen.device)
         qid = sample.question_id
-        out = gen.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                           seed=seed + (qid if isinstance(qid, int) else 0) + 1000 * sample.turn)
-        new = out.sequences[0, prompt.shape[0]:]
-        drafter = HeadDrafter(head, depth, top_k, total_tokens, prompt.shape[0] + new.shape[0])
-        ours = replay(drafter, prompt, new, target_features(target, prompt, new), qid, sample.turn)
-        row = {"question_id": qid, "turn": sample.turn, "engine_tau": out.stats.tau, "replay_tau": ours.tau,
-               "engine_cycles": out.stats.cycles, "replay_cycles": ours.cycles}
-        if temperature == 0:
-            row["same_output"] = new.tolist() == sample.continuation
+        row = known.get((qid, sample.turn))
+        if row is None:
+            prompt = torch.tensor(sample.prompt, dtype=torch.long, device=gen.device)
+            out = gen.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                               seed=seed + (qid if isinstance(qid, int) else 0) + 1000 * sample.turn)
+            new = out.sequences[0, prompt.shape[0]:]
+            drafter = HeadDrafter(head, depth, top_k, total_tokens, prompt.shape[0] + new.shape[0])
+            ours = replay(drafter, prompt, new, target_features(target, prompt, new), qid, sample.turn)
+            row = {"question_id": qid, "turn": sample.turn, "engine_tau": out.stats.tau, "replay_tau": ours.tau,
+                   "engine_cycles": out.stats.cycles, "replay_cycles": ours.cycles}
+            if temperature == 0:
+                row["same_output"] = new.tolist() == sample.continuation
+            if on_row is not None:
+                on_row(row)
         rows.append(row)
     return rows
 
@@ -576,6 +594,51 @@ def runs_from_references(args: argparse.Namespace) -> list[tuple[float, int | No
     return runs
 
 
+class Journal:
+    """Per-prompt results of a command-line run, appended to ``.<out>.partial.jsonl`` beside its result so that a
+    killed run resumes where it stopped (with the same settings); removed once the result is written."""
+
+    def __init__(self, path: Path, settings: dict):
+        self.path, self.done = path, {}
+        settings = json.loads(json.dumps(settings))
+        lines = path.read_text().splitlines() if path.is_file() else []
+        if lines and json.loads(lines[0]) == settings:
+            for line in lines[1:]:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by a kill
+                    break
+                self.done[tuple(record["key"])] = record["value"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.done:
+            path.write_text(json.dumps(settings) + "\n")
+        self.handle = open(path, "a")
+
+    def add(self, key: tuple, value: dict) -> None:
+        self.handle.write(json.dumps({"key": list(key), "value": value}) + "\n")
+        self.handle.flush()
+
+    def replays(self, temperature: str) -> dict[tuple, PromptTau]:
+        return {(k[1], k[3], k[4]): PromptTau(**v) for k, v in self.done.items()
+                if k[0] == "replay" and k[2] == temperature}
+
+    def engine_rows(self, name: str, temperature: str) -> dict[tuple, dict]:
+        return {(k[3], k[4]): v for k, v in self.done.items() if k[:3] == ("engine", name, temperature)}
+
+    def finish(self) -> None:
+        self.handle.close()
+        self.path.unlink()
+
+
+def head_digest(folder: str | Path) -> str:
+    """A hash of a head folder's files (a retrained head in the same folder does not reuse old results)."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in Path(folder).iterdir() if p.is_file()):
+        digest.update(file.name.encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def head_names(paths: list[str]) -> dict[str, str]:
     """Folder names, or the full paths where two folders share a name."""
     names = [Path(p).name for p in paths]
@@ -647,6 +710,12 @@ def main(argv: list[str] | None = None) -> int:
     heads = {name: prepare_head(path, model, args.draft_dtype) for name, path in paths.items()}
     results: dict[str, dict] = {name: {} for name in heads}
     n_prompts = {}
+    out = Path(args.out or f"benchmarks/results/tau-{load_bench(args.bench)[0]}-{'-'.join(heads)}")
+    journal = None
+    if heads:
+        settings = {k: v for k, v in vars(args).items() if k not in ("argv", "out", "threads", "continuations")}
+        settings["heads"] = {name: [path, head_digest(path)] for name, path in paths.items()}
+        journal = Journal(out.parent / f".{out.name}.partial.jsonl", settings)
     for temperature, limit, reference in runs:
         key = f"{temperature:g}"
         samples = continuations(model, tokenizer, args.bench, temperature, args.seed, args.max_new_tokens, limit,
@@ -654,7 +723,11 @@ def main(argv: list[str] | None = None) -> int:
         n_prompts[key] = len(samples)
         if not heads:
             continue
-        for name, res in evaluate(heads, model, samples, args.depth, args.top_k, args.total_tokens).items():
+        evaluated = evaluate(heads, model, samples, args.depth, args.top_k, args.total_tokens,
+                             known=journal.replays(key),
+                             on_prompt=lambda name, r, key=key: journal.add(
+                                 ("replay", name, key, r.question_id, r.turn), asdict(r)))
+        for name, res in evaluated.items():
             results[name][key] = res.as_dict()
             print(f"{name} T={key}: τ {res.tau:.3f} ± {res.tau_se:.3f} over {len(samples)} prompts")
             if reference is not None:
@@ -662,7 +735,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.engine_check:
                 results[name][key]["engine_check"] = engine_check(
                     heads[name], model, tokenizer, samples[: args.engine_check], temperature, args.max_new_tokens,
-                    args.depth, args.top_k, args.total_tokens, args.seed)
+                    args.depth, args.top_k, args.total_tokens, args.seed, known=journal.engine_rows(name, key),
+                    on_row=lambda row, name=name, key=key: journal.add(
+                        ("engine", name, key, row["question_id"], row["turn"]), row))
     if not heads:
         print(f"continuations ready under {args.continuations}")
         return 0
@@ -673,8 +748,8 @@ def main(argv: list[str] | None = None) -> int:
               "limits": {f"{t:g}": limit for t, limit, _ in runs}, "n_prompts": n_prompts, "head_paths": paths,
               "heads": results, "seconds": time.perf_counter() - start, "machine": machine_info(),
               "command": command_line("inference.tau", args.argv)}
-    out = Path(args.out or f"benchmarks/results/tau-{result['bench']}-{'-'.join(heads)}")
     write_benchmark(out.parent, out.name, result, table(result))
+    journal.finish()
     return 0
 
 
