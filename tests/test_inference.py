@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 
 import torch
@@ -225,3 +226,29 @@ def test_verify_profile_groups_the_operators_of_one_forward(tmp_path, tiny_targe
     assert verify_profile.group_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert verify_profile.group_of("aten::copy_") == "copies and views"
     assert verify_profile.group_of("aten::rsqrt").startswith("elementwise")
+
+
+COMMANDS = ["training.build_features", "training.train", "training.export", "training.regenerate",
+            "training.throughput", "inference.demo", "inference.chat", "inference.speed", "inference.ablation",
+            "inference.engine", "inference.headline", "inference.verify_profile"]
+HELP_WITHOUT_TORCH = """
+import contextlib, io, runpy, sys
+for module in sys.argv[1:]:
+    sys.argv = [module, "--help"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as exit_:
+            assert exit_.code == 0, (module, exit_.code)
+    assert "usage: python -m " + module in out.getvalue(), module
+    heavy = sorted(m for m in ("torch", "transformers", "safetensors.torch", "accelerate") if m in sys.modules)
+    print(module, heavy)
+"""
+
+
+def test_every_command_answers_help_before_loading_torch():
+    """--help (and usage errors) answer in a fraction of a second: nothing heavy is imported before parsing."""
+    res = run_module("-c", HELP_WITHOUT_TORCH, *COMMANDS, launcher=[sys.executable])
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == [f"{module} []" for module in COMMANDS]

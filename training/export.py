@@ -14,15 +14,16 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from griffin.draft import DraftModel
-from griffin.io import atomic_write, atomic_write_json, atomic_write_text
+from griffin.io import atomic_write, atomic_write_json, atomic_write_text, read_json
 from inference.report import markdown_table, tree_text
 
 from .cli import run_cli
-from .train import VALIDATION
+
+if TYPE_CHECKING:
+    from griffin.draft import DraftModel
+
 
 STAGES = "stages.json"  # the validation reports of every training stage, oldest first
 
@@ -75,6 +76,8 @@ def card(name: str, dst: Path, head: DraftModel, report: dict, results: list[dic
 
 def stage_reports(src: Path) -> list[dict]:
     """The validation reports of a head and of the earlier stages it was initialised from, oldest first."""
+    from .train import VALIDATION
+
     reports: list[dict] = []
     folder: Path | None = src
     while folder is not None and (folder / VALIDATION).is_file() and len(reports) < 16:
@@ -95,9 +98,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="folders of speed-run results")
     p.add_argument("--notes", default="", help="a sentence for the card's training section (e.g. the recipe)")
     args = p.parse_args(argv)
+    import torch
+
+    from griffin.draft import DraftModel
+
+    from .train import VALIDATION
+
     src, dst = Path(args.src), Path(args.dst)
     head = DraftModel.from_pretrained(src)
-    report = json.loads((src / VALIDATION).read_text())
+    report = read_json(src / VALIDATION, "validation report")
     stages = json.loads((src / STAGES).read_text()) if (src / STAGES).is_file() else stage_reports(src)
     if src.resolve() != dst.resolve():
         head.save_pretrained(dst, dtype=torch.float16)
