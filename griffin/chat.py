@@ -8,9 +8,11 @@ falls inside such a span get loss mask 1. Built-in templates cover tokenizers th
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 # Written for this package from the public format descriptions of each family.
 BUILTIN_TEMPLATES = {
@@ -113,6 +115,8 @@ def tokenize_conversation(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], max_len: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> input_ids [T] (int64) and loss_mask [T] (uint8, 1 on assistant tokens), truncated to ``max_len``."""
+    import torch
+
     text, spans = assistant_spans(tokenizer, messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = torch.tensor(enc["input_ids"], dtype=torch.long)

@@ -89,6 +89,8 @@ class DraftConfig:
         get = (lambda k, d=None: target_config.get(k, d)) if isinstance(target_config, dict) else (
             lambda k, d=None: getattr(target_config, k, d))
         rope = get("rope_parameters")
+        if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma-3): the global one
+            rope = rope.get("full_attention") or next(iter(rope.values()))
         if not rope:  # configs from before transformers 5 keep rope_theta and rope_scaling apart
             rope = dict(get("rope_scaling") or {"rope_type": "default"})
             rope.setdefault("rope_type", rope.pop("type", "default"))

@@ -16,9 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from griffin.constants import EMBEDDED_TARGET
 from training.cli import add_tree_arguments, nonnegative_float, positive_int, probability, run_cli
-
-EMBEDDED_TARGET = "smollm2-135m-instruct"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -16,9 +16,9 @@ import argparse
 import sys
 import time
 
+from griffin.constants import EMBEDDED_TARGET
 from training.cli import add_tree_arguments, nonnegative_float, positive_int, run_cli
 
-EMBEDDED_TARGET = "smollm2-135m-instruct"
 PROMPTS = [
     "Write a short poem about the sea.",
     "Give me three tips for a good night's sleep.",

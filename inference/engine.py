@@ -22,26 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from griffin import DraftConfig, DraftModel, SpecGenerator
-from griffin.autotune import forward_cost
-from griffin.drafters import OracleDrafter
-from griffin.plain import plain_generate
-from griffin.sampling import SamplingConfig
-from griffin.target import EMBEDDED_TARGET, load_target
+from griffin.constants import EMBEDDED_TARGET
 from training.cli import run_cli
 
-from .report import command_line, machine_info, markdown_table, write_benchmark
-
-PROMPTS = [  # generic requests, not evaluation questions
-    "Explain how a bicycle works.",
-    "Write a short story about a lighthouse keeper.",
-    "Give three tips for staying focused while studying.",
-    "What are the health benefits of drinking water?",
-]
 RESULTS = Path("benchmarks/results")
-COST_SIZES = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 32, 48, 64]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,6 +44,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.max_new_tokens < 1 or args.max_chain < 1:
         p.error("--max-new-tokens and --max-chain must be at least 1")
     return args
+
+
+if __name__ == "__main__":  # --help and usage errors answer here, before torch and transformers load
+    parse_args()
+
+import torch
+
+from griffin import DraftConfig, DraftModel, SpecGenerator
+from griffin.autotune import forward_cost
+from griffin.drafters import OracleDrafter
+from griffin.plain import plain_generate
+from griffin.sampling import SamplingConfig
+from griffin.target import load_target
+
+from .report import command_line, machine_info, markdown_table, write_benchmark
+
+PROMPTS = [  # generic requests, not evaluation questions
+    "Explain how a bicycle works.",
+    "Write a short story about a lighthouse keeper.",
+    "Give three tips for staying focused while studying.",
+    "What are the health benefits of drinking water?",
+]
+COST_SIZES = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 25, 32, 48, 64]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,20 +25,10 @@ import time
 import uuid
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
-
-from griffin import SpecGenerator
-from griffin.chat import prompt_ids
-from griffin.io import atomic_write_json, atomic_write_text
-from griffin.kernels import default_one_row
-from griffin.plain import plain_generate
-from griffin.sampling import SamplingConfig
-from griffin.target import EMBEDDED_TARGET, load_target
+from griffin.constants import EMBEDDED_TARGET
 from training.cli import add_tree_arguments, nonnegative_float, positive_int, run_cli
 
 from .questions import BENCHES, EXTRA_BENCHES, load_questions
-from .report import command_line, machine_info, markdown_table
 
 METHODS = ("baseline", "ours", "own_loop", "prompt_lookup")
 PLAIN_NAMES = {"baseline": "transformers generate", "own_loop": "our plain loop"}
@@ -73,6 +63,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--methods must include ours and only name {', '.join(METHODS)}")
     args.methods = methods
     return args
+
+
+if __name__ == "__main__":  # --help and usage errors answer here, before torch and transformers load
+    parse_args()
+
+import torch
+from tqdm.auto import tqdm
+
+from griffin import SpecGenerator
+from griffin.chat import prompt_ids
+from griffin.io import atomic_write_json, atomic_write_text
+from griffin.kernels import default_one_row
+from griffin.plain import plain_generate
+from griffin.sampling import SamplingConfig
+from griffin.target import load_target
+
+from .report import command_line, machine_info, markdown_table
 
 
 class Runner:

@@ -19,36 +19,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-from torch import nn
-from torch.profiler import ProfilerActivity, profile
-
-from griffin import DraftConfig, DraftModel, SpecGenerator
-from griffin.autotune import cached_context_forward, forward_cost
-from griffin.target import EMBEDDED_TARGET, load_target
+from griffin.constants import EMBEDDED_TARGET
 from training.cli import run_cli
 
-from .report import command_line, machine_info, markdown_table, write_benchmark
-
 RESULTS = Path("benchmarks/results")
-MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"}
-COPIES = {"aten::copy_", "aten::cat", "aten::index_copy_", "aten::clone", "aten::contiguous", "aten::empty",
-          "aten::empty_like", "aten::empty_strided", "aten::zeros", "aten::to", "aten::_to_copy", "aten::slice",
-          "aten::view", "aten::reshape", "aten::_unsafe_view", "aten::expand", "aten::transpose", "aten::t",
-          "aten::as_strided", "aten::select", "aten::unsqueeze", "aten::squeeze", "aten::permute", "aten::alias",
-          "aten::detach", "aten::fill_", "aten::masked_fill_", "aten::resolve_conj", "aten::resolve_neg",
-          "aten::lift_fresh", "aten::narrow", "aten::split", "aten::chunk", "aten::flatten"}
-GROUPS = ["matrix products", "attention", "copies and views", "elementwise (norms, rotary, activations)"]
-
-
-def group_of(name: str) -> str:
-    if name in MATMUL:
-        return GROUPS[0]
-    if "scaled_dot_product" in name or "attention" in name:
-        return GROUPS[1]
-    if name in COPIES:
-        return GROUPS[2]
-    return GROUPS[3]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,6 +41,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(args.tokens) < 1 or args.repeats < 1:
         p.error("--tokens and --repeats must be at least 1")
     return args
+
+
+if __name__ == "__main__":  # --help and usage errors answer here, before torch and transformers load
+    parse_args()
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from griffin import DraftConfig, DraftModel, SpecGenerator
+from griffin.autotune import cached_context_forward, forward_cost
+from griffin.target import load_target
+
+from .report import command_line, machine_info, markdown_table, write_benchmark
+
+MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"}
+COPIES = {"aten::copy_", "aten::cat", "aten::index_copy_", "aten::clone", "aten::contiguous", "aten::empty",
+          "aten::empty_like", "aten::empty_strided", "aten::zeros", "aten::to", "aten::_to_copy", "aten::slice",
+          "aten::view", "aten::reshape", "aten::_unsafe_view", "aten::expand", "aten::transpose", "aten::t",
+          "aten::as_strided", "aten::select", "aten::unsqueeze", "aten::squeeze", "aten::permute", "aten::alias",
+          "aten::detach", "aten::fill_", "aten::masked_fill_", "aten::resolve_conj", "aten::resolve_neg",
+          "aten::lift_fresh", "aten::narrow", "aten::split", "aten::chunk", "aten::flatten"}
+GROUPS = ["matrix products", "attention", "copies and views", "elementwise (norms, rotary, activations)"]
+
+
+def group_of(name: str) -> str:
+    if name in MATMUL:
+        return GROUPS[0]
+    if "scaled_dot_product" in name or "attention" in name:
+        return GROUPS[1]
+    if name in COPIES:
+        return GROUPS[2]
+    return GROUPS[3]
 
 
 def profile_forward(forward: Callable[[int], None], n: int, repeats: int) -> dict:

@@ -9,6 +9,8 @@ from transformers import LlamaForCausalLM
 from griffin import SpecGenerator
 from griffin.drafters import OracleDrafter
 from griffin.family import UnsupportedTarget, attention_windows, check_target, logits_transform, output_logits
+from griffin.plain import plain_generate
+from griffin.sampling import SamplingConfig
 from tests.conftest import tiny_model
 from tests.test_generation import NoTokenizer, untrained_head
 
@@ -65,6 +67,9 @@ def test_greedy_identical_to_generate_past_the_window(name):
             oracle = OracleDrafter(ref[0, length:].tolist(), depth=depth, top_k=top_k, total_tokens=total,
                                    mode="tree", vocab_size=96)
             assert torch.equal(gen.generate(prompt, max_new_tokens=24, drafter=oracle).sequences, ref)
+            if depth == 5:  # griffin's plain decoding loop (the demo's other baseline) too
+                plain = plain_generate(model, prompt, 24, SamplingConfig(), torch.tensor([], dtype=torch.long))
+                assert torch.equal(plain, ref[0, length:])
 
 
 def test_the_check_catches_an_ignored_window_or_logits_step(monkeypatch):

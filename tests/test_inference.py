@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 
 import pytest
@@ -285,3 +286,31 @@ def test_gpu_engine_oracle_reproposes_the_engines_own_tokens():
     assert (runs, same) == (2, True) and stats.tau > 4
     code, err = run_main("inference.gpu_engine", "--shapes", "tiny,bogus")
     assert code == 2 and "unknown shape(s) ['bogus']" in err
+
+
+COMMANDS = ["training.build_features", "training.train", "training.export", "training.regenerate",
+            "training.throughput", "training.distill", "training.recipe", "inference.demo", "inference.chat",
+            "inference.speed", "inference.ablation", "inference.engine", "inference.headline",
+            "inference.verify_profile", "inference.tau", "inference.distill_heads", "inference.distill_lm",
+            "inference.gpu_engine", "inference.plain_kernel"]
+HELP_WITHOUT_TORCH = """
+import contextlib, io, runpy, sys
+for module in sys.argv[1:]:
+    sys.argv = [module, "--help"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as exit_:
+            assert exit_.code == 0, (module, exit_.code)
+    assert "usage: python -m " + module in out.getvalue(), module
+    heavy = sorted(m for m in ("torch", "transformers", "safetensors.torch", "accelerate") if m in sys.modules)
+    print(module, heavy)
+"""
+
+
+def test_every_command_answers_help_before_loading_torch():
+    """--help (and usage errors) answer in a fraction of a second: nothing heavy is imported before parsing."""
+    res = run_module("-c", HELP_WITHOUT_TORCH, *COMMANDS, launcher=[sys.executable])
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == [f"{module} []" for module in COMMANDS]

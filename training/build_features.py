@@ -20,32 +20,10 @@ from contextlib import ExitStack, contextmanager
 from itertools import chain, islice
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
-
-import griffin
-from griffin.chat import TemplateError, set_chat_template, tokenize_conversation
-from griffin.io import atomic_write_json, read_json
-from griffin.target import EMBEDDED_TARGET, file_lock, load_target, resolve_dtype, target_fingerprint
+from griffin.constants import EMBEDDED_TARGET
 
 from .cli import positive_int, prepare_out, run_cli
 from .data import DEFAULT_DATA, BadConversation, DataError, iter_records, to_messages
-from .store import (
-    BUILD,
-    MANIFEST,
-    Conversation,
-    DamagedShard,
-    FeatureStore,
-    StoreError,
-    read_shard_stats,
-    shard_name,
-    write_manifest,
-    write_shard,
-)
-
-log = logging.getLogger("build_features")
-LOCK = ".lock"  # held by the build writing into a store folder
-INPUT_ERRORS = (StoreError, TemplateError, DataError)  # reported as one line, exit 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,6 +56,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--shards must look like START:END with 0 <= START < END")
         args.shard_range = (start, end)
     return args
+
+
+if __name__ == "__main__":  # --help and usage errors answer here, before torch and transformers load
+    parse_args()
+
+import torch
+from tqdm.auto import tqdm
+
+import griffin
+from griffin.chat import TemplateError, set_chat_template, tokenize_conversation
+from griffin.io import atomic_write_json, read_json
+from griffin.target import file_lock, load_target, resolve_dtype, target_fingerprint
+
+from .store import (
+    BUILD,
+    MANIFEST,
+    Conversation,
+    DamagedShard,
+    FeatureStore,
+    StoreError,
+    read_shard_stats,
+    shard_name,
+    write_manifest,
+    write_shard,
+)
+
+log = logging.getLogger("build_features")
+LOCK = ".lock"  # held by the build writing into a store folder
+INPUT_ERRORS = (StoreError, TemplateError, DataError)  # reported as one line, exit 2
 
 
 def build_settings(args: argparse.Namespace, model, tokenizer, compute_dtype: torch.dtype) -> dict:

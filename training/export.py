@@ -20,15 +20,16 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from griffin.draft import DraftModel
-from griffin.io import atomic_write, atomic_write_json, atomic_write_text
-from griffin.official import save_official
-from griffin.target import load_target_head, resolve_dtype
+from griffin.io import atomic_write, atomic_write_json, atomic_write_text, read_json
 from inference.report import fastest_plain, markdown_table, tree_text
 
 from .cli import run_cli
-from .train import VALIDATION
+
+if TYPE_CHECKING:
+    from griffin.draft import DraftModel
+
 
 STAGES = "stages.json"  # the validation reports of every training stage, oldest first
 
@@ -116,6 +117,8 @@ def card(name: str, dst: Path, head: DraftModel, report: dict, results: list[dic
 
 def stage_reports(src: Path) -> list[dict]:
     """The validation reports of a head and of the earlier stages it was initialised from, oldest first."""
+    from .train import VALIDATION
+
     reports: list[dict] = []
     folder: Path | None = src
     while folder is not None and (folder / VALIDATION).is_file() and len(reports) < 16:
@@ -141,9 +144,15 @@ def main(argv: list[str] | None = None) -> int:
                    "embedding is stored as embed_tokens.weight (default: the target the head records)")
     p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "fp32"], help="dtype of the written weights")
     args = p.parse_args(argv)
+    from griffin.draft import DraftModel
+    from griffin.official import save_official
+    from griffin.target import load_target_head, resolve_dtype
+
+    from .train import VALIDATION
+
     src, dst = Path(args.src), Path(args.dst)
     head = DraftModel.from_pretrained(src)
-    report = json.loads((src / VALIDATION).read_text())
+    report = read_json(src / VALIDATION, "validation report")
     stages = json.loads((src / STAGES).read_text()) if (src / STAGES).is_file() else stage_reports(src)
     dtype = resolve_dtype(args.dtype)
     if args.format == "official":

@@ -34,8 +34,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from griffin.constants import TOKEN_LOSSES
+
 Tensor = torch.Tensor
-NAMES = ("soft-ce", "fkl", "rkl", "jsd", "tvd", "tvdpp")
+NAMES = TOKEN_LOSSES
 
 
 def scaled(logits: Tensor, keep: Tensor, temperature: float = 1.0) -> Tensor:

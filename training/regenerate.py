@@ -26,12 +26,9 @@ import time
 from itertools import islice
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
-
 from griffin.chat import render, set_chat_template
+from griffin.constants import EMBEDDED_TARGET
 from griffin.io import atomic_write, atomic_write_text
-from griffin.target import EMBEDDED_TARGET, load_target
 
 from .cli import run_cli
 from .data import DEFAULT_DATA, BadConversation, DataError, iter_records, to_messages
@@ -86,17 +83,19 @@ def first_turn(record) -> list[dict[str, str]]:
     return messages[: start + 1]
 
 
-@torch.inference_mode()
 def answer(model, tokenizer, prompts: list[list[dict]], args, generator_seed: int) -> tuple[list[str], int]:
     """-> the answers and the number of tokens generated (each up to and including its end-of-sequence token)."""
+    import torch
+
     texts = [render(tokenizer, m, add_generation_prompt=True) for m in prompts]
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     torch.manual_seed(generator_seed)
     sample = args.temperature > 0
-    out = model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=sample,
-                         temperature=args.temperature if sample else None, top_p=None, top_k=None,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         cache_implementation="static" if args.cache == "static" else None)
+    with torch.inference_mode():
+        out = model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=sample,
+                             temperature=args.temperature if sample else None, top_p=None, top_k=None,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                             cache_implementation="static" if args.cache == "static" else None)
     new = out[:, enc["input_ids"].shape[1]:]
     ended = (new == tokenizer.eos_token_id).int()
     lengths = torch.where(ended.any(1), ended.argmax(1) + 1, new.shape[1])
@@ -114,6 +113,10 @@ def answer_speculative(gen, prompts: list[list[dict]], args) -> tuple[list[str],
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from tqdm.auto import tqdm
+
+    from griffin.target import load_target
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_target(args.target, dtype=args.dtype)

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from griffin.target import EMBEDDED_TARGET
+from griffin.constants import EMBEDDED_TARGET
 
 from .cli import run_cli
 from .data import DEFAULT_DATA

@@ -28,29 +28,9 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
-
-from griffin.config import DraftConfig
-from griffin.draft import DraftModel
-from griffin.io import atomic_write, atomic_write_json
-from griffin.target import file_lock, load_target_head, resolve_dtype, target_fingerprint
+from griffin.constants import TOKEN_LOSSES
 
 from .cli import fraction, nonnegative_float, nonnegative_int, positive_float, positive_int, prepare_out, run_cli
-from .losses import NAMES as TOKEN_LOSSES
-from .losses import make_token_loss
-from .objective import MultiPassObjective, batch_members, make_batch
-from .store import FeatureStore, StoreError
-
-log = logging.getLogger("train")
-INPUT_ERRORS = (StoreError,)  # reported as one line, exit 2
-STATE = "train_state"
-LOCK = ".lock"  # held by the run writing into --out
-VALIDATION = "validation.json"
-SPLIT_SEED = 1234  # fixed so that every head trained on a store is validated on the same conversations
-RESUME_SETTINGS = ("arch", "steps", "topk", "epochs", "max_updates", "lr", "warmup", "batch_size", "max_len",
-                   "draft_vocab", "init_from", "seed", "grad_clip", "weight_decay", "noise", "w_token",
-                   "mixed_precision", "val_fraction", "val_max")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -111,6 +91,32 @@ def _max_len(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be at least 2 (a position reads one token and predicts the next), "
                                          f"got {text!r}")
     return value
+
+
+if __name__ == "__main__":  # --help and usage errors answer here, before torch and transformers load
+    parse_args()
+
+import torch
+from tqdm.auto import tqdm
+
+from griffin.config import DraftConfig
+from griffin.draft import DraftModel
+from griffin.io import atomic_write, atomic_write_json
+from griffin.target import file_lock, load_target_head, resolve_dtype, target_fingerprint
+
+from .losses import make_token_loss
+from .objective import MultiPassObjective, batch_members, make_batch
+from .store import FeatureStore, StoreError
+
+log = logging.getLogger("train")
+INPUT_ERRORS = (StoreError,)  # reported as one line, exit 2
+STATE = "train_state"
+LOCK = ".lock"  # held by the run writing into --out
+VALIDATION = "validation.json"
+SPLIT_SEED = 1234  # fixed so that every head trained on a store is validated on the same conversations
+RESUME_SETTINGS = ("arch", "steps", "topk", "epochs", "max_updates", "lr", "warmup", "batch_size", "max_len",
+                   "draft_vocab", "init_from", "seed", "grad_clip", "weight_decay", "noise", "w_token",
+                   "mixed_precision", "val_fraction", "val_max")
 
 
 def split(n: int, fraction: float) -> tuple[list[int], list[int]]:
