@@ -44,6 +44,16 @@ def _threads(request):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerator():
+    """An in-process training run starts as a new process would: accelerate's global state (mixed precision, device)
+    is reset after every test."""
+    yield
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+
+
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
             "mistral": (MistralConfig, MistralForCausalLM), "gemma2": (Gemma2Config, Gemma2ForCausalLM),
             "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM), "granite": (GraniteConfig, GraniteForCausalLM),

@@ -119,7 +119,8 @@ def test_alpha_and_histogram():
     # depth 1: reached by all 5 cycles, passed by 4; depth 2: reached by the 4 cycles of depth >= 1 less the one
     # censored at depth 1 (unknown), passed by 2; depth 3: reached by the 2 of depth >= 2 less the one censored at 2
     assert result.alpha() == [4 / 5, 2 / 3, 1 / 1]
-    assert result.accepted_hist() == {1: 1, 2: 2, 3: 1, 4: 1}
+    # emitted per cycle: 1, 2, 4, then the final cycle cut to the 9 - 1 - 7 = 1 token left; 2 (cut from 2 to 2)
+    assert result.accepted_hist() == {1: 2, 2: 2, 4: 1}
     assert result.tau == 12 / 5 and [p.tau for p in result.prompts] == [9 / 4, 3.0]
 
 
