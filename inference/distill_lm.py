@@ -25,20 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
-
-from griffin import SpecGenerator
-from griffin.autotune import forward_cost
-from griffin.chat import prompt_ids
-from griffin.draft import DraftModel
-from griffin.draft_lm import DraftLM, draft_step_cost, expected_tokens, load_draft_lm, measured_alpha
-from griffin.generator import default_head, fast_draft_dtype
-from griffin.io import atomic_write, atomic_write_json
-from griffin.plain import plain_generate
-from griffin.sampling import SamplingConfig
-from griffin.target import EMBEDDED_TARGET, load_target
-from training import distill
 from training.cli import run_cli
 
 from .questions import load_questions
@@ -86,6 +72,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.argv = argv
     return args
+
+
+if __name__ == "__main__":  # --help and usage errors answer here, before torch and transformers load
+    parse_args()
+
+import torch
+from tqdm.auto import tqdm
+
+from griffin import SpecGenerator
+from griffin.autotune import forward_cost
+from griffin.chat import prompt_ids
+from griffin.draft import DraftModel
+from griffin.draft_lm import DraftLM, draft_step_cost, expected_tokens, load_draft_lm, measured_alpha
+from griffin.generator import default_head, fast_draft_dtype
+from griffin.io import atomic_write, atomic_write_json
+from griffin.plain import plain_generate
+from griffin.sampling import SamplingConfig
+from griffin.target import EMBEDDED_TARGET, load_target
+from training import distill
 
 
 def train_students(args: argparse.Namespace, work: Path) -> dict[str, dict]:

@@ -44,16 +44,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from unittest import mock
 
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from griffin import DraftConfig, DraftModel, GenerationStats, SpecGenerator
-from griffin.autotune import autotune, cached_context_forward
-from griffin.drafters import OracleDrafter
-from griffin.io import atomic_write_json, atomic_write_text
-from griffin.plain import plain_generate
-from griffin.sampling import SamplingConfig
-from griffin.target import resolve_dtype
 from training.cli import run_cli
 
 from .report import command_line, machine_info, markdown_table, write_benchmark
@@ -135,16 +125,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [s for s in args.shapes if s not in SHAPES]
     if unknown or not args.shapes:
         p.error(f"unknown shape(s) {unknown}: use a comma-separated list from {', '.join(SHAPES)}")
-    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda, but torch sees no CUDA GPU")
-    args.dtype = args.dtype or ("bf16" if args.device.type == "cuda" else "fp32")
     if args.draft_vocab < 0:
         p.error("--draft-vocab must be >= 0")
     if args.tag and not re.fullmatch(r"[A-Za-z0-9._-]+", args.tag):
         p.error("--tag may hold letters, digits, '.', '_' and '-' only")
     return args
 
+
+if __name__ == "__main__":  # --help and usage errors answer here, before torch and transformers load
+    parse_args()
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from griffin import DraftConfig, DraftModel, GenerationStats, SpecGenerator
+from griffin.autotune import autotune, cached_context_forward
+from griffin.drafters import OracleDrafter
+from griffin.io import atomic_write_json, atomic_write_text
+from griffin.plain import plain_generate
+from griffin.sampling import SamplingConfig
+from griffin.target import resolve_dtype
 
 # --- building ------------------------------------------------------------------------------------------------------
 
@@ -572,6 +572,10 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.argv = argv
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no CUDA GPU")
+    args.dtype = args.dtype or ("bf16" if args.device.type == "cuda" else "fp32")
     gpu = gpu_info(args.device)
     report = Report(args.out_dir, f"engine-{slug(gpu['name'])}" + (f"-{args.tag}" if args.tag else ""), gpu)
     for name in args.shapes:

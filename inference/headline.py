@@ -17,8 +17,7 @@ from griffin.io import atomic_write_text
 from training.cli import run_cli
 
 from .questions import BENCHES
-from .report import fastest_plain, markdown_table, tree_text
-from .speed import result_stem
+from .report import fastest_plain, markdown_table, result_stem, tree_text
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 

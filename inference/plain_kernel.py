@@ -21,16 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
-
-from griffin.chat import prompt_ids
-from griffin.family import output_logits
-from griffin.kernels import ONE_ROW_KERNELS, WeightMajorLinears
-from griffin.kv_cache import BufferCache
-from griffin.plain import plain_generate
-from griffin.sampling import SamplingConfig
-from griffin.target import EMBEDDED_TARGET, load_target
+from griffin.constants import EMBEDDED_TARGET
 from training.cli import run_cli
 
 from .report import command_line, machine_info, markdown_table, write_benchmark
@@ -56,6 +47,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(args.context, args.rounds, args.new_tokens) < 1:
         p.error("--context, --rounds and --new-tokens must be at least 1")
     return args
+
+
+if __name__ == "__main__":  # --help and usage errors answer here, before torch and transformers load
+    parse_args()
+
+import torch
+from tqdm.auto import tqdm
+
+from griffin.chat import prompt_ids
+from griffin.family import output_logits
+from griffin.kernels import ONE_ROW_KERNELS, WeightMajorLinears
+from griffin.kv_cache import BufferCache
+from griffin.plain import plain_generate
+from griffin.sampling import SamplingConfig
+from griffin.target import load_target
 
 
 @torch.inference_mode()

@@ -60,6 +60,11 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def result_stem(bench: str, tag: str, temperature: float, dtype: str) -> str:
+    """``<bench>-<draft>-T<temp>``, with ``-bf16`` for a bf16 target (fp32 runs keep the plain name)."""
+    return f"{bench}-{tag}-T{temperature:g}" + ("" if dtype == "fp32" else f"-{dtype}")
+
+
 def write_benchmark(out_dir: str | Path, stem: str, result: dict, markdown: str) -> None:
     """``<out_dir>/<stem>.json`` and ``<stem>.md`` (each written atomically), and the table on stdout."""
     atomic_write_json(Path(out_dir) / f"{stem}.json", result)

@@ -79,7 +79,7 @@ from griffin.plain import plain_generate
 from griffin.sampling import SamplingConfig
 from griffin.target import load_target
 
-from .report import command_line, machine_info, markdown_table
+from .report import command_line, machine_info, markdown_table, result_stem
 
 
 class Runner:
@@ -238,11 +238,6 @@ def load_partial(path: Path, settings: dict) -> list[dict]:
         except json.JSONDecodeError:  # a line cut by a kill
             break
     return records
-
-
-def result_stem(bench: str, tag: str, temperature: float, dtype: str) -> str:
-    """``<bench>-<draft>-T<temp>``, with ``-bf16`` for a bf16 target (fp32 runs keep the plain name)."""
-    return f"{bench}-{tag}-T{temperature:g}" + ("" if dtype == "fp32" else f"-{dtype}")
 
 
 def run_bench(bench: str, gen: SpecGenerator, runner: Runner, args: argparse.Namespace, tag: str) -> dict:

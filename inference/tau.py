@@ -59,6 +59,64 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from griffin.constants import EMBEDDED_TARGET
+from training.cli import run_cli
+
+from .questions import BENCHES, EXTRA_BENCHES, load_questions
+from .report import command_line, machine_info, markdown_table, write_benchmark
+
+CONTINUATIONS = Path("benchmarks/results/continuations")
+FORMAT = 1  # version of the continuation file layout
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m inference.tau", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", nargs="*", default=[], help="head folders (none: only build the continuations)")
+    p.add_argument("--bench", default="mt_bench",
+                   help=f"{', '.join(BENCHES + EXTRA_BENCHES)}, or a prompt file (.jsonl with 'turns' or 'prompt', "
+                        ".txt)")
+    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0])
+    p.add_argument("--limit", type=int, default=None, help="only the first n questions")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0, help="base seed of the sampled continuations")
+    p.add_argument("--total-tokens", type=int, default=24, help="tree size (draft nodes)")
+    p.add_argument("--depth", type=int, default=5)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--target", default=EMBEDDED_TARGET)
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="target dtype")
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="head dtype while drafting (auto: as the engine, bf16 where the CPU computes it natively)")
+    p.add_argument("--continuations", default=str(CONTINUATIONS), help="folder of the continuation cache")
+    p.add_argument("--references", nargs="*", default=[],
+                   help="speed-run JSONs (inference.speed, one head) to compare with: each sets a temperature and its "
+                        "questions (replacing --temperatures and --limit); per-prompt τ is compared")
+    p.add_argument("--engine-check", type=int, default=0, metavar="N",
+                   help="also run the real engine on the first N prompts of each temperature and compare its τ with "
+                        "the replay of its output")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared)")
+    p.add_argument("--out", default=None,
+                   help="result path without suffix: writes <out>.json and <out>.md (default: benchmarks/results/"
+                        "tau-<bench>-<heads>)")
+    args = p.parse_args(argv)
+    args.argv = argv
+    for flag in ("max_new_tokens", "total_tokens", "depth", "top_k", "threads"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.limit is not None and args.limit < 1:
+        p.error("--limit must be at least 1")
+    if args.engine_check < 0:
+        p.error("--engine-check must be >= 0")
+    if any(t < 0 for t in args.temperatures):
+        p.error("--temperatures must be >= 0")
+    if len({f"{t:g}" for t in args.temperatures}) < len(args.temperatures):
+        p.error("--temperatures lists a temperature twice")
+    return args
+
+
+if __name__ == "__main__":  # --help and usage errors answer here, before torch and transformers load
+    parse_args()
+
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -73,16 +131,8 @@ from griffin.kernels import WeightMajorLinears, default_max_rows
 from griffin.kv_cache import BufferCache
 from griffin.plain import plain_generate
 from griffin.sampling import SamplingConfig
-from griffin.target import EMBEDDED_TARGET, cache_dir, file_lock, load_target, resolve_dtype, target_fingerprint
+from griffin.target import cache_dir, file_lock, load_target, resolve_dtype, target_fingerprint
 from griffin.tree import Tree
-from training.cli import run_cli
-
-from .questions import BENCHES, EXTRA_BENCHES, load_questions
-from .report import command_line, machine_info, markdown_table, write_benchmark
-
-CONTINUATIONS = Path("benchmarks/results/continuations")
-FORMAT = 1  # version of the continuation file layout
-
 
 # --- prompts and continuations ----------------------------------------------------------------------------------------
 
@@ -521,51 +571,6 @@ def compare_reference(result: TauResult, reference: dict) -> dict:
 
 
 # --- command line -----------------------------------------------------------------------------------------------------
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inference.tau", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--heads", nargs="*", default=[], help="head folders (none: only build the continuations)")
-    p.add_argument("--bench", default="mt_bench",
-                   help=f"{', '.join(BENCHES + EXTRA_BENCHES)}, or a prompt file (.jsonl with 'turns' or 'prompt', "
-                        ".txt)")
-    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0])
-    p.add_argument("--limit", type=int, default=None, help="only the first n questions")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0, help="base seed of the sampled continuations")
-    p.add_argument("--total-tokens", type=int, default=24, help="tree size (draft nodes)")
-    p.add_argument("--depth", type=int, default=5)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--target", default=EMBEDDED_TARGET)
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="target dtype")
-    p.add_argument("--draft-dtype", default="auto", choices=["auto", "fp32", "bf16"],
-                   help="head dtype while drafting (auto: as the engine, bf16 where the CPU computes it natively)")
-    p.add_argument("--continuations", default=str(CONTINUATIONS), help="folder of the continuation cache")
-    p.add_argument("--references", nargs="*", default=[],
-                   help="speed-run JSONs (inference.speed, one head) to compare with: each sets a temperature and its "
-                        "questions (replacing --temperatures and --limit); per-prompt τ is compared")
-    p.add_argument("--engine-check", type=int, default=0, metavar="N",
-                   help="also run the real engine on the first N prompts of each temperature and compare its τ with "
-                        "the replay of its output")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared)")
-    p.add_argument("--out", default=None,
-                   help="result path without suffix: writes <out>.json and <out>.md (default: benchmarks/results/"
-                        "tau-<bench>-<heads>)")
-    args = p.parse_args(argv)
-    args.argv = argv
-    for flag in ("max_new_tokens", "total_tokens", "depth", "top_k", "threads"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be at least 1")
-    if args.limit is not None and args.limit < 1:
-        p.error("--limit must be at least 1")
-    if args.engine_check < 0:
-        p.error("--engine-check must be >= 0")
-    if any(t < 0 for t in args.temperatures):
-        p.error("--temperatures must be >= 0")
-    if len({f"{t:g}" for t in args.temperatures}) < len(args.temperatures):
-        p.error("--temperatures lists a temperature twice")
-    return args
 
 
 def runs_from_references(args: argparse.Namespace) -> list[tuple[float, int | None, dict | None]]:

@@ -160,7 +160,7 @@ def test_ablation_report_and_readme_section(tmp_path):
     text = readme.read_text()
     assert "old" not in text and text.endswith("rest\n")
     assert "| mt_bench | 0.00 | fp32 | 80 | 128 | 24 nodes, depth 5 | 3.50 | **1.50x** (own loop) | 2.00x |" in text
-    from inference.speed import result_stem
+    from inference.report import result_stem
 
     assert result_stem("gsm8k", "h", 0.0, "fp32") == "gsm8k-h-T0" and result_stem("gsm8k", "h", 1.0, "bf16") == \
         "gsm8k-h-T1-bf16"

@@ -34,26 +34,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from torch import nn
-from tqdm.auto import tqdm
-from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
-
-from griffin.chat import TemplateError, prompt_ids, tokenize_conversation
-from griffin.compat import TokenizerMismatch, check_compatible
-from griffin.draft_lm import build_student, load_draft_lm, save_draft_lm, vocab_logits
-from griffin.io import atomic_write_json
-from griffin.target import EMBEDDED_TARGET, load_target, resolve_dtype
+from griffin.constants import EMBEDDED_TARGET, TOKEN_LOSSES
 
 from .cli import run_cli
 from .data import DEFAULT_DATA, BadConversation, DataError, iter_records, to_messages
-from .losses import NAMES, adaspec_select, make_token_loss, per_token_fkl
-
-log = logging.getLogger("distill")
-INPUT_ERRORS = (DataError, TemplateError, TokenizerMismatch)
-STATE = "distill_state"
-REPORT = "distill.json"
-SOURCES = ("fixed", "student", "target")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-samples", type=int, default=2000, help="conversations read from --data")
     p.add_argument("--recipe", default=None, choices=["tvdpp"],
                    help="tvdpp: target-generated responses and the TVD++ loss (sets the three options below)")
-    p.add_argument("--token-loss", default="fkl", choices=NAMES, help="divergence (default: %(default)s)")
+    p.add_argument("--token-loss", default="fkl", choices=TOKEN_LOSSES, help="divergence (default: %(default)s)")
     p.add_argument("--jsd-beta", type=float, default=0.5)
     p.add_argument("--temperature", type=float, default=1.0, help="temperature of p and q in the loss")
     p.add_argument("--lambda-fixed", type=float, default=0.0, help="λ1: probability of a fixed-data batch")
@@ -107,6 +91,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.draft_vocab < 0:
         p.error("--draft-vocab must be >= 0")
     return args
+
+
+if __name__ == "__main__":  # --help and usage errors answer here, before torch and transformers load
+    parse_args()
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
+
+from griffin.chat import TemplateError, prompt_ids, tokenize_conversation
+from griffin.compat import TokenizerMismatch, check_compatible
+from griffin.draft_lm import build_student, load_draft_lm, save_draft_lm, vocab_logits
+from griffin.io import atomic_write_json
+from griffin.target import load_target, resolve_dtype
+
+from .losses import adaspec_select, make_token_loss, per_token_fkl
+
+log = logging.getLogger("distill")
+INPUT_ERRORS = (DataError, TemplateError, TokenizerMismatch)
+STATE = "distill_state"
+REPORT = "distill.json"
+SOURCES = ("fixed", "student", "target")
 
 
 class Conversations:

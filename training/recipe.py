@@ -55,12 +55,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from griffin.constants import EMBEDDED_TARGET
 from griffin.io import atomic_write_json, atomic_write_text
-from griffin.target import EMBEDDED_TARGET
 
 from .cli import run_cli
 from .data import DEFAULT_DATA, iter_records
-from .store import BUILD, MANIFEST, StoreError, shard_name, write_manifest
 
 log = logging.getLogger("recipe")
 STATE = "recipe.json"
@@ -131,6 +130,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--chunk-shards and --shard-records must be at least 1 and --regen-records at least 0")
     return args
 
+
+if __name__ == "__main__":  # --help and usage errors answer here, before torch and transformers load
+    parse_args()
+
+from .store import BUILD, MANIFEST, StoreError, shard_name, write_manifest
 
 # --- the plan -------------------------------------------------------------------------------------------------------
 
