@@ -17,9 +17,8 @@ from tests.conftest import tiny_model
 
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about autumn.", "List three prime numbers.",
-    "Explain photosynthesis in one sentence.", "Translate 'good morning' into Spanish.", "What is 12 times 7?",
-    "Give me a tip for learning to cook.", "Who wrote Romeo and Juliet?", "Why is the sky blue?",
-    "What does a compiler do?", "Write a Python function that adds two numbers.", "Tell me a fun fact about owls.",
+    "Translate 'good morning' into Spanish.", "What is 12 times 7?", "What does a compiler do?",
+    "Write a Python function that adds two numbers.", "Tell me a fun fact about owls.",
 ]
 SHAPES = [(5, 8, 24), (3, 4, 7), (6, 10, 60), (1, 2, 2)]  # depth, top_k, total_tokens (7 and 2: weight-major verify)
 SMALL_SHAPES = [(5, 8, 24), (3, 4, 7), (4, 6, 16), (1, 8, 3)]
@@ -48,7 +47,7 @@ def smol_generator(embedded):
 
 def test_greedy_identical_to_transformers_on_embedded_target(smol_generator, embedded):
     model, _ = embedded
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(PROMPTS):  # two prompts per tree shape
         depth, top_k, total = SMALL_SHAPES[i % len(SMALL_SHAPES)]
         smol_generator.depth, smol_generator.top_k, smol_generator.total_tokens = depth, top_k, total
         ids = smol_generator.encode([{"role": "user", "content": prompt}])

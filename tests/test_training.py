@@ -185,7 +185,7 @@ def test_train_cli_writes_a_loadable_head_and_validation(tmp_path, tiny_store):
 def test_progressive_runs_every_stage(tmp_path, tiny_store):
     out = tmp_path / "prog"
     res = run_module("training.train", "--features", str(tiny_store), "--out", str(out), "--steps", "3",
-                     "--progressive", "--batch-size", "8", "--max-updates", "2")
+                     "--progressive", "--batch-size", "8", "--max-updates", "2", "--draft-vocab", "300")
     assert res.returncode == 0, res.stderr
     for k in (1, 2, 3):
         stage = json.loads((out / f"stage-{k}" / "validation.json").read_text())["run"]
@@ -194,10 +194,10 @@ def test_progressive_runs_every_stage(tmp_path, tiny_store):
 
 
 def test_resume_after_sigkill_ends_with_the_same_weights(tmp_path, tiny_store):
-    args = ["--features", str(tiny_store), "--steps", "2", "--batch-size", "2", "--max-updates", "40",
-            "--save-every", "4", "--lr", "1e-3"]
-    ref = run_module("training.train", *args, "--out", str(tmp_path / "ref"))
-    assert ref.returncode == 0, ref.stderr
+    args = ["--features", str(tiny_store), "--steps", "2", "--batch-size", "2", "--max-updates", "30",
+            "--save-every", "4", "--lr", "1e-3", "--draft-vocab", "300"]
+    code, err = run_main("training.train", *args, "--out", str(tmp_path / "ref"))
+    assert code == 0, err
     out = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "training.train", *args, "--out", str(out)], cwd=ROOT, env=env,
@@ -208,19 +208,20 @@ def test_resume_after_sigkill_ends_with_the_same_weights(tmp_path, tiny_store):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (out / "validation.json").exists(), "the run finished before it could be killed"
-    again = run_module("training.train", *args, "--out", str(out))
-    assert again.returncode == 2 and "--resume" in again.stderr
-    res = run_module("training.train", *args, "--out", str(out), "--resume")
-    assert res.returncode == 0, res.stderr
+    code, err = run_main("training.train", *args, "--out", str(out))
+    assert code == 2 and "--resume" in err
+    code, err = run_main("training.train", *args, "--out", str(out), "--resume")
+    assert code == 0, err
     a, b = weights(tmp_path / "ref"), weights(out)
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
 
 
 def test_two_processes_match_one_on_the_same_global_batch(tmp_path, tiny_store):
-    args = ["--features", str(tiny_store), "--steps", "2", "--max-updates", "3", "--noise", "0", "--lr", "1e-3"]
-    one = run_module("training.train", *args, "--batch-size", "4", "--out", str(tmp_path / "one"))
-    assert one.returncode == 0, one.stderr
+    args = ["--features", str(tiny_store), "--steps", "2", "--max-updates", "3", "--noise", "0", "--lr", "1e-3",
+            "--draft-vocab", "300"]
+    code, err = run_main("training.train", *args, "--batch-size", "4", "--out", str(tmp_path / "one"))
+    assert code == 0, err
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29544",
                 "-m"]
     two = run_module("training.train", *args, "--batch-size", "2", "--out", str(tmp_path / "two"), launcher=launcher)
