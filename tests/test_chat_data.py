@@ -77,13 +77,19 @@ def sharegpt(*turns):
 def test_to_messages_validation():
     ok = to_messages(sharegpt(("system", "be nice"), ("human", "hi"), ("gpt", "hello"), ("human", "unanswered")))
     assert [m["role"] for m in ok] == ["system", "user", "assistant"]
-    cases = {
-        "starts_with_assistant": sharegpt(("gpt", "hello"), ("human", "hi")),
-        "not_alternating": sharegpt(("human", "a"), ("human", "b"), ("gpt", "c")),
-        "empty": sharegpt(),
-        "malformed": {"id": 1},
-    }
-    for reason, record in cases.items():
+    # a continuation record: the answer whose question is in the previous record is dropped
+    cont = to_messages(sharegpt(("system", "s"), ("gpt", "rest of an answer"), ("human", "q"), ("gpt", "a")))
+    assert [(m["role"], m["content"]) for m in cont] == [("system", "s"), ("user", "q"), ("assistant", "a")]
+    cases = [
+        ("empty", sharegpt(("gpt", "hello"), ("human", "hi"))),  # nothing answered is left
+        ("empty", sharegpt()),
+        ("empty", sharegpt(("gpt", "the end of an answer"))),
+        ("not_alternating", sharegpt(("gpt", "x"), ("gpt", "y"), ("human", "b"), ("gpt", "c"))),
+        ("not_alternating", sharegpt(("human", "a"), ("human", "b"), ("gpt", "c"))),
+        ("malformed", sharegpt(("human", "a"), ("robot", "b"))),
+        ("malformed", {"id": 1}),
+    ]
+    for reason, record in cases:
         with pytest.raises(BadConversation) as err:
             to_messages(record)
         assert err.value.reason == reason

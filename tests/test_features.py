@@ -132,7 +132,8 @@ def test_bad_input_gives_clear_errors_or_counted_skips(tmp_path, tiny_target_dir
     mixed = good + [
         {"id": "e", "conversations": []},
         {"id": "n", "conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"}]},
-        {"id": "s", "conversations": [{"from": "gpt", "value": "a"}, {"from": "human", "value": "b"}]},
+        {"id": "s", "conversations": [{"from": "gpt", "value": "a"}, {"from": "human", "value": "b"},
+                                      {"from": "gpt", "value": "c"}]},  # a continuation record: kept, "a" dropped
         {"id": "m"},
         "not an object",
     ]
@@ -140,8 +141,8 @@ def test_bad_input_gives_clear_errors_or_counted_skips(tmp_path, tiny_target_dir
     code, err = run_main("training.build_features", *target, "--data", data, "--out", str(tmp_path / "c"))
     assert code == 0, err
     manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
-    assert manifest["num_samples"] == 2
-    assert manifest["skipped"] == {"empty": 1, "not_alternating": 1, "starts_with_assistant": 1, "malformed": 2}
+    assert manifest["num_samples"] == 3
+    assert manifest["skipped"] == {"empty": 1, "not_alternating": 1, "malformed": 2}
 
     code, err = run_main("training.build_features", *target, "--data", data, "--out", str(tmp_path / "d"),
                          "--max-len", "8")

@@ -129,8 +129,10 @@ def iter_records(source: str | Path = DEFAULT_DATA) -> Iterator[Any]:
 def to_messages(record: Any) -> list[dict[str, str]]:
     """A ShareGPT record -> chat messages ``[{"role", "content"}]``, or :class:`BadConversation`.
 
-    Accepted: an optional leading system turn, then user/assistant turns alternating, starting with the user. A final
-    user turn without an answer is dropped. At least one assistant turn must remain.
+    Accepted: an optional leading system turn, then user/assistant turns alternating, starting with the user. A
+    leading assistant turn is dropped (ShareGPT splits long conversations, and a continuation record starts with the
+    answer to a question left in the previous record), as is a final user turn without an answer. At least one
+    assistant turn must remain.
     """
     turns = record.get("conversations") if isinstance(record, dict) else None
     if turns is None and isinstance(record, dict):
@@ -150,8 +152,10 @@ def to_messages(record: Any) -> list[dict[str, str]]:
     body = messages[start:]
     if not body:
         raise BadConversation("empty", "no turns")
-    if body[0]["role"] != "user":
-        raise BadConversation("starts_with_assistant")
+    if body[0]["role"] == "assistant":  # its question is in another record
+        body, messages = body[1:], messages[:start] + messages[start + 1:]
+        if not body:
+            raise BadConversation("empty", "only the end of an answer")
     for i, msg in enumerate(body):
         if msg["role"] != ("user" if i % 2 == 0 else "assistant"):
             raise BadConversation("not_alternating")
