@@ -86,8 +86,8 @@ def test_kill_and_resume_gives_the_same_store(tmp_path, tiny_target_dir):
     data = write_data(tmp_path / "d.json", conversations(48, words=150))
     args = ["--target", str(tiny_target_dir), "--data", data, "--max-len", "512", "--shard-size", "2",
             "--batch-size", "1"]
-    ref = run_module("training.build_features", *args, "--out", str(tmp_path / "ref"))
-    assert ref.returncode == 0, ref.stderr
+    code, err = run_main("training.build_features", *args, "--out", str(tmp_path / "ref"))
+    assert code == 0, err
     out = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "training.build_features", *args, "--out", str(out)], cwd=ROOT,
@@ -102,8 +102,8 @@ def test_kill_and_resume_gives_the_same_store(tmp_path, tiny_target_dir):
         load_file(str(shard))
     with pytest.raises(ValueError, match="did not finish"):
         FeatureStore(out)
-    res = run_module("training.build_features", *args, "--out", str(out))
-    assert res.returncode == 0, res.stderr
+    code, err = run_main("training.build_features", *args, "--out", str(out))
+    assert code == 0, err
     assert not list(out.glob(".*.tmp"))
     assert shards_equal(tmp_path / "ref", out)
     a, b = json.loads((tmp_path / "ref" / "manifest.json").read_text()), json.loads((out / "manifest.json").read_text())
@@ -155,8 +155,8 @@ def test_bad_input_gives_clear_errors_or_counted_skips(tmp_path, tiny_target_dir
 def test_two_processes_build_the_same_store(tmp_path, tiny_target_dir):
     data = write_data(tmp_path / "d.json", conversations(10))
     args = ["--target", str(tiny_target_dir), "--data", data, "--max-len", "128", "--shard-size", "2"]
-    one = run_module("training.build_features", *args, "--out", str(tmp_path / "one"))
-    assert one.returncode == 0, one.stderr
+    code, err = run_main("training.build_features", *args, "--out", str(tmp_path / "one"))
+    assert code == 0, err
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
                 "-m"]
     two = run_module("training.build_features", *args, "--out", str(tmp_path / "two"), launcher=launcher)

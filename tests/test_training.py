@@ -372,11 +372,11 @@ def test_adaspec_trains_on_the_top_fraction_of_aligned_positions_by_delta():
 def test_distillation_flags_train_record_and_reach_the_card(tmp_path, tiny_store):
     common = ["--features", str(tiny_store), "--steps", "2", "--batch-size", "4", "--max-updates", "2",
               "--draft-vocab", "300"]
-    ref = run_module("training.train", *common, "--token-loss", "fkl", "--out", str(tmp_path / "fkl"))
-    assert ref.returncode == 0, ref.stderr
-    res = run_module("training.train", *common, "--token-loss", "jsd", "--jsd-beta", "0.3", "--select", "adaspec",
-                     "--reference", str(tmp_path / "fkl"), "--select-frac", "0.5", "--out", str(tmp_path / "ada"))
-    assert res.returncode == 0, res.stderr
+    code, err = run_main("training.train", *common, "--token-loss", "fkl", "--out", str(tmp_path / "fkl"))
+    assert code == 0, err
+    code, err = run_main("training.train", *common, "--token-loss", "jsd", "--jsd-beta", "0.3", "--select", "adaspec",
+                         "--reference", str(tmp_path / "fkl"), "--select-frac", "0.5", "--out", str(tmp_path / "ada"))
+    assert code == 0, err
     run = json.loads((tmp_path / "ada" / "validation.json").read_text())["run"]
     assert (run["token_loss"], run["jsd_beta"], run["select"], run["select_frac"]) == ("jsd", 0.3, "adaspec", 0.5)
     assert json.loads((tmp_path / "fkl" / "validation.json").read_text())["run"]["token_loss"] == "fkl"
