@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -225,9 +226,10 @@ def report(result: dict) -> str:
                   f"Fastest plain decoding here: {sp['fastest_plain']}. GRIFFIN head: the shipped "
                   f"{default_head(EMBEDDED_TARGET).name} with tree {HEAD_TREE}.\n\n")
     foot = (f"\nCommand: `{result['command']}`\n\nMachine: {result['machine']['cpu']}, {result['machine']['cores']} "
-            f"cores, torch {result['machine']['torch']}, {result['machine']['date']}, shared with other jobs (load "
-            f"about 15 on 2 cores during the run): wall times are long and noisy, ratios from interleaved runs are "
-            f"what to read. Training: {result['train_minutes']:.1f} wall-minutes summed over the students; this "
+            f"cores, torch {result['machine']['torch']}, {result['machine']['date']}, one-minute load average "
+            f"{result['load_average_before_speed']:.1f} before the speed runs and "
+            f"{result['load_average_after_speed']:.1f} after them (a shared machine: ratios from interleaved runs are "
+            f"what to read). Training: {result['train_minutes']:.1f} wall-minutes summed over the students; this "
             f"command's own run (the evaluations not already kept under --work, then speed): "
             f"{result['wall_minutes']:.1f} min. Students and evaluations may be produced first in parallel processes "
             "with --train-only / --eval-only (same settings), as this run's were.\n")
@@ -309,7 +311,9 @@ def main(argv: list[str] | None = None) -> int:
               "question_ids": question_ids, "students": students, "best_student": best,
               "alpha_ratio_T1_best_vs_undistilled": max(s["T1"]["alpha"] for s in students.values())
               / max(students["undistilled"]["T1"]["alpha"], 1e-9),
+              "load_average_before_speed": os.getloadavg()[0],
               "speed": speed(target, tokenizer, ids, work / best, args),
+              "load_average_after_speed": os.getloadavg()[0],
               "train_minutes": sum(s["train_seconds"] for s in students.values()) / 60, "machine": machine_info(),
               "command": "OMP_NUM_THREADS=1 " + command_line("inference.distill_lm", args.argv)}
     result["wall_minutes"] = (time.perf_counter() - started) / 60
