@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from scipy.stats import chisquare
 from transformers import (
     AutoTokenizer,
     CohereConfig,
@@ -126,3 +127,23 @@ def run_main(module: str, *args: str) -> tuple[int, str]:
         except SystemExit as exit_:  # argparse's usage errors
             code = exit_.code
     return code, err.getvalue()
+
+
+def pooled_chisquare(counts: dict, exact: dict, runs: int) -> tuple[float, int]:
+    """Chi-square of sampled ``counts`` against ``exact`` probabilities over ``runs`` draws: -> (p-value, cells).
+
+    Outcomes expected fewer than 5 times are pooled into one cell, where the test's normal approximation holds."""
+    observed, expected, rest_o, rest_e = [], [], 0, 0.0
+    for cell in sorted(exact, key=exact.get, reverse=True):
+        e = exact[cell] * runs
+        if e >= 5:
+            observed.append(counts.get(cell, 0))
+            expected.append(e)
+        else:
+            rest_o += counts.get(cell, 0)
+            rest_e += e
+    if rest_e > 0:
+        observed.append(rest_o)
+        expected.append(rest_e)
+    total = sum(expected)  # the exact table may be cut (top-k walks): rescale to the draws
+    return chisquare(observed, [e * runs / total for e in expected]).pvalue, len(observed)

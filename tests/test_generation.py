@@ -7,13 +7,12 @@ import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import TextStreamer
 
 from griffin import DraftConfig, DraftModel, SpecGenerator
 from griffin.drafters import OracleDrafter
 from griffin.sampling import SamplingConfig, warp
-from tests.conftest import tiny_model
+from tests.conftest import pooled_chisquare, tiny_model
 
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about autumn.", "List three prime numbers.",
@@ -184,22 +183,7 @@ def check_sampling_distribution(temperature: float, top_p: float, device: str = 
         accepted_drafts += out.stats.cycles < 2
     assert sum(counts.values()) == runs
     assert all(exact.get(k, 0) > 0 for k in counts), "sampled a sequence the target cannot produce"
-    cells = sorted(exact, key=exact.get, reverse=True)
-    observed, expected, rest_o, rest_e = [], [], 0, 0.0
-    for cell in cells:
-        e = exact[cell] * runs
-        if e >= 5:
-            observed.append(counts.get(cell, 0))
-            expected.append(e)
-        else:
-            rest_o += counts.get(cell, 0)
-            rest_e += e
-    if rest_e > 0:
-        observed.append(rest_o)
-        expected.append(rest_e)
-    total = sum(expected)
-    expected = [e * runs / total for e in expected]
-    assert chisquare(observed, expected).pvalue > 0.001
+    assert pooled_chisquare(counts, exact, runs)[0] > 0.001
     assert accepted_drafts > runs // 10  # drafted tokens were really accepted, not only bonus tokens
 
 
@@ -242,23 +226,8 @@ def test_sampling_over_several_cycles_matches_the_target_distribution():
         accepted += out.stats.new_tokens - 1 - out.stats.cycles  # drafted tokens accepted (bonus tokens excluded)
     assert set(counts) <= set(exact), "sampled a sequence the target cannot produce under top-k 3"
     assert min(cycles) >= 2 and accepted > runs // 4
-    cells = sorted(exact, key=exact.get, reverse=True)
-    observed, expected, rest_o, rest_e = [], [], 0, 0.0
-    for cell in cells:
-        e = exact[cell] * runs
-        if e >= 5:
-            observed.append(counts.get(cell, 0))
-            expected.append(e)
-        else:
-            rest_o += counts.get(cell, 0)
-            rest_e += e
-    if rest_e:
-        observed.append(rest_o)
-        expected.append(rest_e)
-    assert len(observed) > 20
-    total = sum(expected)
-    pvalue = chisquare(observed, [e * runs / total for e in expected]).pvalue
-    assert pvalue > 0.001, (pvalue, list(zip(observed, expected)))
+    pvalue, cells = pooled_chisquare(counts, exact, runs)
+    assert cells > 20 and pvalue > 0.001, (pvalue, counts)
 
 
 

@@ -26,10 +26,7 @@ folder (plus ``draft_vocab.json``) that ``SpecGenerator.from_pretrained(target, 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -108,6 +105,7 @@ from griffin.io import atomic_write_json
 from griffin.target import load_target, resolve_dtype
 
 from .losses import adaspec_select, make_token_loss, per_token_fkl
+from .state import load_state, save_state
 
 log = logging.getLogger("distill")
 INPUT_ERRORS = (DataError, TemplateError, TokenizerMismatch)
@@ -376,38 +374,19 @@ class Distiller:
 
     def save(self, final: bool = False) -> None:
         """Resumable state -> out/distill_state (swapped in atomically); at the end the student and distill.json."""
-        acc = self.acc
-        acc.wait_for_everyone()
-        tmp, state, old = self.out / f".{STATE}.tmp", self.out / STATE, self.out / f".{STATE}.old"
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-        acc.wait_for_everyone()
-        acc.save_state(str(tmp))
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            atomic_write_json(tmp / "progress.json", {**self.progress, "history": self.history,
-                                                      "validation": self.validation})
-            if state.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(state, old)
-            os.replace(tmp, state)
-            shutil.rmtree(old, ignore_errors=True)
-            if final:
-                save_draft_lm(self.student, self.out, None if self.vocab is None else self.vocab.cpu(),
-                              self.tokenizer, resolve_dtype(self.args.save_dtype))
-                atomic_write_json(self.out / REPORT, {"run": self.run_info, "progress": self.progress,
-                                                      "validation": self.validation, "history": self.history})
-        acc.wait_for_everyone()
+        save_state(self.acc, self.out, STATE, {**self.progress, "history": self.history,
+                                               "validation": self.validation})
+        if final and self.acc.is_main_process:
+            save_draft_lm(self.student, self.out, None if self.vocab is None else self.vocab.cpu(),
+                          self.tokenizer, resolve_dtype(self.args.save_dtype))
+            atomic_write_json(self.out / REPORT, {"run": self.run_info, "progress": self.progress,
+                                                  "validation": self.validation, "history": self.history})
+        self.acc.wait_for_everyone()
 
     def load(self) -> None:
-        state = self.out / STATE
-        if not state.is_dir() and (self.out / f".{STATE}.old").is_dir():
-            state = self.out / f".{STATE}.old"  # killed between the two renames of save()
-        if not state.is_dir():
-            log.info("no saved state in %s: starting from scratch", self.out)
+        saved = load_state(self.acc, self.out, STATE)
+        if saved is None:
             return
-        self.acc.load_state(str(state))
-        saved = json.loads((state / "progress.json").read_text())
         self.history, self.validation = saved.pop("history"), saved.pop("validation")
         self.progress = saved
         log.info("resumed after %d updates", saved["updates"])

@@ -19,7 +19,6 @@ head lags a frozen reference head (same initialisation, distilled with fkl) the 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -106,6 +105,7 @@ from griffin.target import file_lock, load_target_head, resolve_dtype, target_fi
 
 from .losses import make_token_loss
 from .objective import MultiPassObjective, batch_members, make_batch
+from .state import load_state, save_state
 from .store import FeatureStore, StoreError
 
 log = logging.getLogger("train")
@@ -245,36 +245,16 @@ class Trainer:
 
     def save(self, final: bool = False) -> None:
         """Head -> out/, resumable state -> out/train_state (swapped in atomically)."""
-        self.acc.wait_for_everyone()
-        tmp, state, old = self.out / f".{STATE}.tmp", self.out / STATE, self.out / f".{STATE}.old"
-        if self.acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-        self.acc.wait_for_everyone()
-        self.acc.save_state(str(tmp))
-        self.acc.wait_for_everyone()
-        if self.acc.is_main_process:
-            atomic_write_json(tmp / "progress.json", {**self.progress, "history": self.history,
-                                                      "settings": self.settings})
-            if state.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(state, old)
-            os.replace(tmp, state)
-            shutil.rmtree(old, ignore_errors=True)
-            if final:
-                dtype = resolve_dtype(self.args.save_dtype)
-                self.draft.save_pretrained(self.out, dtype=dtype)
-                atomic_write_json(self.out / VALIDATION, {"run": self.run_info, "epochs": self.history})
+        save_state(self.acc, self.out, STATE, {**self.progress, "history": self.history, "settings": self.settings})
+        if final and self.acc.is_main_process:
+            self.draft.save_pretrained(self.out, dtype=resolve_dtype(self.args.save_dtype))
+            atomic_write_json(self.out / VALIDATION, {"run": self.run_info, "epochs": self.history})
         self.acc.wait_for_everyone()
 
     def load(self) -> None:
-        state = self.out / STATE
-        if not state.is_dir() and (self.out / f".{STATE}.old").is_dir():
-            state = self.out / f".{STATE}.old"  # killed between the two renames of save()
-        if not state.is_dir():
-            log.info("no saved state in %s: starting from scratch", self.out)
+        saved = load_state(self.acc, self.out, STATE)
+        if saved is None:
             return
-        self.acc.load_state(str(state))
-        saved = json.loads((state / "progress.json").read_text())
         self.history = saved.pop("history")
         settings = saved.pop("settings", self.settings)
         diff = sorted(k for k in set(settings) | set(self.settings) if settings.get(k) != self.settings.get(k))
