@@ -14,7 +14,7 @@ from griffin.compat import TokenizerMismatch
 from griffin.draft_lm import DraftLM, build_student, expected_tokens, measured_alpha, save_draft_lm
 from griffin.sampling import SamplingConfig
 from tests.conftest import pooled_chisquare, tiny_model
-from tests.test_generation import PROMPTS, NoTokenizer, exact_first_three
+from tests.test_generation import PROMPTS, NoTokenizer, exact_sequences
 
 
 def lm_generator(target, draft, gamma: int, vocab: torch.Tensor | None = None) -> SpecGenerator:
@@ -76,7 +76,7 @@ def test_sampling_matches_the_target_distribution(temperature, top_p, top_k):
     gen = lm_generator(target, draft, gamma=2, vocab=torch.tensor([0, 1, 3]))  # q = 0 on tokens 2 and 4
     prompt = torch.tensor([1, 3, 0])
     cfg = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k)
-    exact = exact_first_three(target, prompt, cfg)
+    exact = exact_sequences(target, prompt, cfg, length=3)
     runs, counts, accepted = 1000, {}, 0
     for seed in range(runs):
         out = gen.generate(prompt, max_new_tokens=3, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)

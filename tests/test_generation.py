@@ -143,25 +143,6 @@ def test_eos_inside_an_accepted_path_and_the_budget_boundary():
     check_eos_and_budget()
 
 
-def exact_first_three(target, prompt: torch.Tensor, cfg: SamplingConfig) -> dict[tuple, float]:
-    vocab = target.config.vocab_size
-    probs: dict[tuple, float] = {}
-    with torch.no_grad():
-        p1 = warp(target(prompt[None]).logits[0, -1], cfg)
-        for a in range(vocab):
-            if p1[a] == 0:
-                continue
-            seq_a = torch.cat((prompt, torch.tensor([a], device=prompt.device)))
-            p2 = warp(target(seq_a[None]).logits[0, -1], cfg)
-            for b in range(vocab):
-                if p2[b] == 0:
-                    continue
-                p3 = warp(target(torch.cat((seq_a, torch.tensor([b], device=prompt.device)))[None]).logits[0, -1], cfg)
-                for c in range(vocab):
-                    probs[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
-    return probs
-
-
 def check_sampling_distribution(temperature: float, top_p: float, device: str = "cpu",
                                 dtype: torch.dtype = torch.float32, runs: int = 10_000) -> None:
     """Chi-square test of the first three sampled tokens against the target's exact distribution (vocabulary of 5)."""
@@ -173,7 +154,7 @@ def check_sampling_distribution(temperature: float, top_p: float, device: str = 
                         draft_dtype=dtype)
     prompt = torch.tensor([1, 3, 0], device=device)
     cfg = SamplingConfig(temperature=temperature, top_p=top_p)
-    exact = exact_first_three(target, prompt, cfg)
+    exact = exact_sequences(target, prompt, cfg, length=3)
     counts: dict[tuple, int] = {}
     accepted_drafts = 0
     for seed in range(runs):
@@ -199,7 +180,7 @@ def exact_sequences(target, prompt: torch.Tensor, cfg: SamplingConfig, length: i
             if depth + 1 == length:
                 probs[tuple(seq[len(prompt):].tolist()) + (token,)] = q
             else:
-                walk(torch.cat((seq, torch.tensor([token]))), q, depth + 1)
+                walk(torch.cat((seq, torch.tensor([token], device=seq.device))), q, depth + 1)
 
     walk(prompt, 1.0, 0)
     return probs
