@@ -40,6 +40,7 @@ def variants(work: Path) -> list[tuple[str, str, list[str]]]:
         ("undistilled", "the target's first layers, untrained", ["--steps", "0"]),
         ("fkl", "FKL, on-policy", ["--token-loss", "fkl"]),
         ("fkl-fixed", "FKL, fixed data", ["--token-loss", "fkl", "--lambda-fixed", "1"]),
+        ("fkl-target", "FKL, target-generated", ["--token-loss", "fkl", "--lambda-student", "0"]),
         ("rkl", "RKL, on-policy", ["--token-loss", "rkl"]),
         ("jsd", "JSD(0.5), on-policy", ["--token-loss", "jsd"]),
         ("tvd", "TVD, on-policy", ["--token-loss", "tvd"]),
@@ -47,6 +48,9 @@ def variants(work: Path) -> list[tuple[str, str, list[str]]]:
         ("fkl-adaspec", "FKL, on-policy, AdaSPEC 0.4", ["--token-loss", "fkl", "--select", "adaspec",
                                                         "--reference", str(work / "fkl")]),
     ]
+
+
+STUDENT_NAMES = [name for name, _, _ in variants(Path("."))]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,6 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--gamma", type=int, default=3, help="chain length for α and τ")
     p.add_argument("--speed-gammas", default="1,2,3")
+    p.add_argument("--val-samples", type=int, default=2,
+                   help="held-out ShareGPT conversations for the held-out acceptance rate")
+    p.add_argument("--val-every", type=int, default=0, help="held-out acceptance every N updates (a learning curve)")
+    p.add_argument("--students", default=None, metavar="NAMES",
+                   help="only these students in the whole run and its report (comma-separated; undistilled is "
+                        f"always included as the reference); default: all of {', '.join(STUDENT_NAMES)}")
+    p.add_argument("--tag", default=None, help="results file name: distill-lm-TAG (default: distill-lm)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--train-only", default=None, metavar="NAMES",
@@ -71,6 +82,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-only", default=None, metavar="NAMES",
                    help="only evaluate these trained students (comma-separated; kept under --work for the full run)")
     args = p.parse_args(argv)
+    for option in ("students", "train_only", "eval_only"):
+        unknown = sorted(set((getattr(args, option) or "").split(",")) - set(STUDENT_NAMES) - {""})
+        if unknown:
+            p.error(f"--{option.replace('_', '-')}: unknown student {', '.join(unknown)} (choose from "
+                    f"{', '.join(STUDENT_NAMES)})")
+    if args.students and "fkl-adaspec" in args.students.split(",") and "fkl" not in args.students.split(","):
+        p.error("--students: fkl-adaspec needs fkl too (the FKL student is its AdaSPEC reference)")
     args.argv = argv
     return args
 
@@ -94,14 +112,20 @@ from griffin.target import EMBEDDED_TARGET, load_target
 from training import distill
 
 
+def chosen(args: argparse.Namespace, work: Path) -> list[tuple[str, str, list[str]]]:
+    """The variants of this run (``--students``, with the undistilled reference always)."""
+    names = set(args.students.split(",")) | {"undistilled"} if args.students else set(STUDENT_NAMES)
+    return [v for v in variants(work) if v[0] in names]
+
+
 def train_students(args: argparse.Namespace, work: Path) -> dict[str, dict]:
     common = ["--layers", str(args.layers), "--draft-vocab", str(args.draft_vocab), "--batch-size",
               str(args.batch_size), "--lr", str(args.lr), "--gen-len", str(args.gen_len), "--max-samples",
-              str(args.max_samples), "--max-prompt", "80", "--max-len", "160", "--val-samples", "2", "--seed",
-              str(args.seed), "--warmup", "2", "--save-every", "8"]
+              str(args.max_samples), "--max-prompt", "80", "--max-len", "160", "--val-samples", str(args.val_samples),
+              "--val-every", str(args.val_every), "--seed", str(args.seed), "--warmup", "2", "--save-every", "8"]
     reports = {}
     only = args.train_only.split(",") if args.train_only else None
-    for name, _, extra in variants(work):
+    for name, _, extra in chosen(args, work):
         out = work / name
         if only is not None and name not in only:
             continue
@@ -206,10 +230,14 @@ def break_even(gen: SpecGenerator, gammas: list[int]) -> dict:
 def report(result: dict) -> str:
     rows = []
     for name, r in result["students"].items():
-        rows.append([name, r["description"], r["steps"], r["val_acceptance"], r["T0"]["alpha"], r["T0"]["tau"],
-                     r["T1"]["alpha"], r["T1"]["tau"], r["T0"]["identical_fraction"]])
-    table = markdown_table(["student", "objective / data", "updates", "held-out 1-TVD", "α T=0", "τ T=0", "α T=1",
-                            "τ T=1", "greedy identical"], rows)
+        nll = r.get("train_target_nll")
+        rows.append([name, r["description"], r["steps"], r["val_acceptance"], "-" if nll is None else nll,
+                     r["T0"]["alpha"], r["T0"]["tau"], r["T1"]["alpha"], r["T1"]["tau"], r["T0"]["identical_fraction"]])
+    table = markdown_table(["student", "objective / data", "updates", "held-out 1-TVD", "target NLL of its training "
+                            "text", "α T=0", "τ T=0", "α T=1", "τ T=1", "greedy identical"], rows)
+    table += ("\nTarget NLL of its training text: the target's mean negative log-likelihood (nats per token) of the "
+              "response tokens the student was trained on; the text speculative decoding drafts after is the "
+              "target's own, so the lower, the closer training is to inference.\n")
     sp = result["speed"]
     speed_rows = [[m, v["tokens_per_s"], v["tau"], f"{v['speedup_vs_fastest_plain']:.2f}x", v["identical_fraction"]]
                   for m, v in sp["methods"].items()]
@@ -218,8 +246,9 @@ def report(result: dict) -> str:
             f"Students: the target's first {s['layers']} layers with its embeddings and a {s['draft_vocab']}-token "
             f"output vocabulary, each distilled for {s['steps']} updates of {s['batch_size']} sequences "
             f"(responses of up to {s['gen_len']} tokens; lr {s['lr']}), from the same start. Evaluation: MT-Bench "
-            f"first turns of questions {result['question_ids']} (one per category), up to {s['max_new_tokens']} new "
-            f"tokens, chains of γ = {s['gamma']}; α = accepted drafted tokens / drafted tokens judged. "
+            f"first turns of questions {result['question_ids']} (evenly spaced: every category), up to "
+            f"{s['max_new_tokens']} new tokens, chains of γ = {s['gamma']}; α = accepted drafted tokens / drafted "
+            "tokens judged. "
             f"One thread (OMP_NUM_THREADS=1) on a shared machine: tiny budgets, the paper's ordering at most, not "
             f"its scale.\n\n")
     speed_head = (f"\n## Speed (greedy, same prompts, interleaved; best student: {result['best_student']})\n\n"
@@ -251,14 +280,17 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(result["students"])
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    curves = {n: r["val_curve"] for n, r in result["students"].items() if len(r.get("val_curve", [])) > 2}
+    fig, axes = plt.subplots(1, 3 if curves else 2, figsize=(17 if curves else 12, 4.5),
+                             gridspec_kw={"width_ratios": [3, 2, 2] if curves else [3, 2]})
+    ax, ax2 = axes[0], axes[1]
     for i, temp in enumerate(("T0", "T1")):
         ax.bar([j + 0.4 * i for j in range(len(names))], [result["students"][n][temp]["alpha"] for n in names], 0.4,
                label=f"α at {temp[0]}={temp[1]}")
     ax.set_xticks([j + 0.2 for j in range(len(names))])
     ax.set_xticklabels(names, rotation=30, ha="right")
     ax.set_ylabel("acceptance rate α")
-    ax.set_title("Distilled 2-layer students (same budget)")
+    ax.set_title(f"Distilled {result['settings']['layers']}-layer students (same budget)")
     ax.legend()
     methods = list(result["speed"]["methods"])
     ax2.bar(range(len(methods)), [result["speed"]["methods"][m]["speedup_vs_fastest_plain"] for m in methods])
@@ -267,6 +299,14 @@ def plot(result: dict, path: Path) -> None:
     ax2.set_xticklabels(methods, rotation=30, ha="right")
     ax2.set_ylabel("speedup vs fastest plain decoding")
     ax2.set_title("Greedy speed on the same prompts")
+    if curves:
+        ax3 = axes[2]
+        for n, curve in curves.items():
+            ax3.plot([c["updates"] for c in curve], [c["acceptance"] for c in curve], marker="o", label=n)
+        ax3.set_xlabel("updates")
+        ax3.set_ylabel("held-out acceptance (1 - TVD)")
+        ax3.set_title("Learning curves")
+        ax3.legend(fontsize=8)
     fig.tight_layout()
     atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=120))
 
@@ -282,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     target, tokenizer = load_target(EMBEDDED_TARGET)
     question_ids, ids = prompts(tokenizer, args.questions)
-    for name, _, _ in variants(work):
+    for name, _, _ in chosen(args, work):
         cached = work / f"eval-{name}.json"
         if not cached.is_file() and (not args.eval_only or name in args.eval_only.split(",")):
             gen = student_generator(target, tokenizer, work / name, args.gamma)
@@ -291,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     references = None
     students = {}
-    for name, description, _ in variants(work):
+    for name, description, _ in chosen(args, work):
         cached = work / f"eval-{name}.json"
         evaluation = json.loads(cached.read_text())
         if references is None:
@@ -302,10 +342,12 @@ def main(argv: list[str] | None = None) -> int:
         for t in ("T0", "T1"):
             evaluation[t].pop("outputs")
         validation = reports[name]["validation"]
+        nll = [h["target_nll"] for h in reports[name]["history"] if "target_nll" in h]
         students[name] = {"description": description, "steps": reports[name]["progress"]["updates"],
-                          "val_acceptance": validation[-1]["acceptance"], "train_seconds":
-                          reports[name]["progress"]["seconds"], "sources": reports[name]["progress"]["sources"],
-                          **evaluation}
+                          "val_acceptance": validation[-1]["acceptance"], "val_curve": validation,
+                          "train_target_nll": sum(nll) / len(nll) if nll else None,
+                          "train_seconds": reports[name]["progress"]["seconds"],
+                          "sources": reports[name]["progress"]["sources"], **evaluation}
     best = max((n for n in students if n != "undistilled"), key=lambda n: students[n]["T0"]["tau"])
     result = {"target": EMBEDDED_TARGET, "settings": {k: v for k, v in vars(args).items() if k != "argv"},
               "question_ids": question_ids, "students": students, "best_student": best,
@@ -318,8 +360,9 @@ def main(argv: list[str] | None = None) -> int:
               "command": "OMP_NUM_THREADS=1 " + command_line("inference.distill_lm", args.argv)}
     result["wall_minutes"] = (time.perf_counter() - started) / 60
     out_dir = Path(args.out_dir)
-    write_benchmark(out_dir, "distill-lm", result, report(result))
-    plot(result, out_dir / "distill-lm.png")
+    stem = f"distill-lm-{args.tag}" if args.tag else "distill-lm"
+    write_benchmark(out_dir, stem, result, report(result))
+    plot(result, out_dir / f"{stem}.png")
     return 0
 
 

@@ -41,7 +41,7 @@ def weights(folder) -> dict[str, torch.Tensor]:
 def fkl_student(tiny_target_dir, chat_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("fkl")
     assert distill.main(args(tiny_target_dir, chat_file, out, "--steps", "6", "--lr", "3e-3", "--lambda-fixed",
-                             "0.4", "--lambda-student", "0.5")) == 0
+                             "0.4", "--lambda-student", "0.5", "--val-every", "3")) == 0
     return out
 
 
@@ -50,6 +50,8 @@ def test_a_mixed_run_uses_every_source_learns_and_saves_a_student_the_generator_
     assert report["progress"]["sources"] == {"fixed": 1, "student": 3, "target": 2}  # seeded draws
     before, after = report["validation"][0]["acceptance"], report["validation"][-1]["acceptance"]
     assert 1 - after < 0.8 * (1 - before), (before, after)  # the TVD to the target fell by over a fifth
+    assert [v["updates"] for v in report["validation"]] == [0, 3, 6]  # --val-every 3: a learning curve
+    assert all(0 < h["target_nll"] < 20 for h in report["history"])  # the target's NLL of each batch's responses
     assert report["run"]["draft_vocab_size"] is None and report["run"]["student_layers"] == 1
     assert not (fkl_student / "draft_vocab.json").exists()
     gen = SpecGenerator.from_pretrained(str(tiny_target_dir), draft_model=fkl_student, gamma=3)

@@ -288,11 +288,25 @@ def test_gpu_engine_oracle_reproposes_the_engines_own_tokens():
     assert code == 2 and "unknown shape(s) ['bogus']" in err
 
 
+def test_identity_reports_the_first_divergence_and_its_margin_in_rounding_steps():
+    from inference.identity import first_divergence, ulp
+
+    assert ulp(1.0, torch.bfloat16) == 2**-7 and ulp(20.0, torch.bfloat16) == 0.125
+    assert ulp(1.0, torch.float32) == 2**-23
+    logits = torch.zeros(4, 6, dtype=torch.bfloat16)
+    logits[2, 3], logits[2, 5] = 20.0, 19.75  # generate chose 3 at step 2; token 5 was two bf16 steps below
+    assert first_divergence([1, 2, 3, 4], [1, 2, 3, 4], logits, torch.bfloat16) is None
+    found = first_divergence([1, 2, 3, 4], [1, 2, 5, 0], logits, torch.bfloat16)
+    assert found == {"position": 2, "margin": 0.25, "margin_ulp": 2.0}
+    assert first_divergence([1, 2, 3], [1, 2], logits, torch.bfloat16) == {"position": 2, "margin": None,
+                                                                           "margin_ulp": None}
+
+
 COMMANDS = ["training.build_features", "training.train", "training.export", "training.regenerate",
             "training.throughput", "training.distill", "training.recipe", "inference.demo", "inference.chat",
             "inference.speed", "inference.ablation", "inference.engine", "inference.headline",
             "inference.verify_profile", "inference.tau", "inference.distill_heads", "inference.distill_lm",
-            "inference.gpu_engine", "inference.plain_kernel"]
+            "inference.gpu_engine", "inference.plain_kernel", "inference.identity"]
 HELP_WITHOUT_TORCH = """
 import contextlib, io, runpy, sys
 for module in sys.argv[1:]:

@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="warm-up updates (default: 5%% of the run)")
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--val-samples", type=int, default=4, help="held-out conversations for the acceptance rate")
+    p.add_argument("--val-every", type=int, default=0,
+                   help="also measure the held-out acceptance rate every N updates (a learning curve; default: at "
+                        "the start and the end only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue a killed run in --out")
     p.add_argument("--save-every", type=int, default=50, help="save the resumable state every N updates")
@@ -85,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(args.batch_size, args.layers, args.gen_len, args.max_len, args.max_samples) < 1 or args.steps < 0:
         p.error("--batch-size, --layers, --gen-len, --max-len and --max-samples must be at least 1, --steps at "
                 "least 0 (0: save the student undistilled)")
+    if args.val_every < 0:
+        p.error("--val-every must be >= 0 (0: at the start and the end only)")
     if args.draft_vocab < 0:
         p.error("--draft-vocab must be >= 0")
     return args
@@ -298,14 +303,20 @@ class Distiller:
 
     # --- training ----------------------------------------------------------------------------------------------------
 
-    def target_logits(self, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            logits = self.target(input_ids=ids, attention_mask=attention).logits  # [B, T, V]
-        return logits if self.vocab is None else logits[..., self.vocab]
+    @torch.no_grad()
+    def target_logits(self, ids: torch.Tensor, attention: torch.Tensor,
+                      predict: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The target's logits over the draft vocabulary [B, T, V'], and its mean negative log-likelihood of the
+        batch's response tokens (how typical of the target the training text is: on-policy data from a weak student
+        is not)."""
+        logits = self.target(input_ids=ids, attention_mask=attention).logits  # [B, T, V]
+        following = ids.roll(-1, dims=1)[predict]  # the response token each predicting position is scored on
+        nll = -logits[predict].float().log_softmax(-1).gather(-1, following[:, None]).mean()
+        return (logits if self.vocab is None else logits[..., self.vocab]), float(nll)
 
     def step(self, update: int) -> dict:
         source, ids, attention, predict = self.batch(update)
-        target = self.target_logits(ids, attention)
+        target, target_nll = self.target_logits(ids, attention, predict)
         with self.acc.autocast():
             draft = self.module(ids, attention)
         mask = predict
@@ -324,7 +335,7 @@ class Distiller:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"update": update + 1, "source": source, "loss": loss.item() / self.acc.num_processes,
-                "tokens": int(mask.sum())}
+                "tokens": int(mask.sum()), "target_nll": target_nll}
 
     def train(self) -> None:
         args = self.args
@@ -343,7 +354,10 @@ class Distiller:
             self.history.append(record)
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", src=record["source"])
-            if self.progress["updates"] % args.save_every == 0 and self.progress["updates"] < args.steps:
+            done = self.progress["updates"]
+            if args.val_every and done % args.val_every == 0 and done < args.steps:
+                self.validate()
+            if done % args.save_every == 0 and done < args.steps:
                 self.save()
         bar.close()
         self.validate()
