@@ -36,7 +36,8 @@ def section(results_dir: Path, head: str) -> str:
                 plain = [f"{r['baseline_tokens_per_s']:.1f}" if "baseline_tokens_per_s" in r else "-",
                          f"{r['own_loop_tokens_per_s']:.1f} ({r.get('own_loop_one_row', 'linear')})"
                          if "own_loop_tokens_per_s" in r else "-"]
-                rows.append([bench, r["temperature"], r.get("dtype", dtype), r["n_prompts"], r["max_new_tokens"],
+                rows.append([bench, r["temperature"], r.get("dtype", dtype), r["machine"].get("torch_threads", "-"),
+                             r["n_prompts"], r["max_new_tokens"],
                              tree_text(r["tree"]), r["tau"], f"**{best[0]:.2f}x** ({best[1]})" if best else "-",
                              f"{r['tokens_per_s'] / r['baseline_tokens_per_s']:.2f}x" if "baseline_tokens_per_s" in r
                              else "-", f"{r['tokens_per_s']:.1f}", *plain,
@@ -51,11 +52,12 @@ def section(results_dir: Path, head: str) -> str:
             f"{machine['torch']}). The headline speedup is against the fastest plain decoding of the same run: the "
             "higher tokens/s of transformers `generate` and our plain loop, whose one-row kernel is shown beside it "
             "(now the fastest measured, [plain-kernel.md](benchmarks/results/plain-kernel.md); runs before that used "
-            "`F.linear`, shown as linear). Speedups are ratios of tokens/s (at T=0 the "
-            "same as ratios of wall time, since every method writes the same tokens).\n\n")
-    text += markdown_table(["bench", "T", "dtype", "prompts", "max new", "tree", "τ", "speedup vs fastest plain",
-                            "speedup vs HF generate", "tokens/s", "HF generate tokens/s", "plain loop tokens/s",
-                            "prompt lookup speedup", "identical", "file"], rows)
+            "`F.linear`, shown as linear). Speedups are ratios of tokens/s (at T=0 the same as ratios of wall time, "
+            "since every method writes the same tokens). Threads: torch's intra-op threads of the run, the same for "
+            "every method in it.\n\n")
+    text += markdown_table(["bench", "T", "dtype", "threads", "prompts", "max new", "tree", "τ",
+                            "speedup vs fastest plain", "speedup vs HF generate", "tokens/s", "HF generate tokens/s",
+                            "plain loop tokens/s", "prompt lookup speedup", "identical", "file"], rows)
     once = dict.fromkeys(commands)  # in order, each once: one `--bench all` run writes several files
     text += "\nτ: new tokens per target forward pass. Commands:\n\n" + "".join(f"- `{c}`\n" for c in once)
     ablation = results_dir / "ablation.md"

@@ -133,7 +133,7 @@ def fake_result(bench: str, draft: str, temperature: float, tau: float) -> dict:
             "baseline_tokens_per_s": 15.0, "own_loop_tokens_per_s": 20.0, "peers": {"prompt_lookup": 1.1},
             "identical_fraction": 1.0,
             "tree": {"depth": 5, "top_k": 8, "total_tokens": 24}, "command": f"python -m inference.speed {bench}",
-            "machine": {"cpu": "cpu", "cores": 2, "torch": "2.13", "date": "today"},
+            "machine": {"cpu": "cpu", "cores": 2, "torch": "2.13", "date": "today", "torch_threads": 1},
             "per_prompt": [{"tau": tau - 0.1}, {"tau": tau + 0.1}]}  # standard error 0.1
 
 
@@ -159,7 +159,7 @@ def test_ablation_report_and_readme_section(tmp_path):
     assert headline.main(["--readme", str(readme), "--results", str(results)]) == 0
     text = readme.read_text()
     assert "old" not in text and text.endswith("rest\n")
-    assert "| mt_bench | 0.00 | fp32 | 80 | 128 | 24 nodes, depth 5 | 3.50 | **1.50x** (own loop) | 2.00x |" in text
+    assert "| mt_bench | 0.00 | fp32 | 1 | 80 | 128 | 24 nodes, depth 5 | 3.50 | **1.50x** (own loop) | 2.00x |" in text
     from inference.report import result_stem
 
     assert result_stem("gsm8k", "h", 0.0, "fp32") == "gsm8k-h-T0" and result_stem("gsm8k", "h", 1.0, "bf16") == \
