@@ -8,9 +8,10 @@ matrix products sum in another order than a one-token step does; in fp32 that mo
 changes an argmax here, in bf16 a logit has 8 significant bits and two candidates within one rounding step of each
 other are common. Whether a divergence is that rounding or a bug in the engine shows in two figures:
 
-- **the control**: the same plain greedy loop with each matrix-product kernel (``F.linear``; weight-major; the row
-  padded to two rows, the product a verification pass takes): mathematically one computation, so every divergence
-  among them is rounding;
+- **the controls**: the same plain greedy loop with each matrix-product kernel (``F.linear``; weight-major; the row
+  padded to two rows, the product a verification pass takes), and ``generate`` itself with the prompt in a batch of
+  two (left-padded beside the next question, as a server batches requests): mathematically one computation, so
+  every divergence among them is rounding;
 - **the margin at the first divergence**: ``generate``'s own logit of its token minus its logit of the token the
   other method chose there, in units of the rounding step (ulp) of the dtype at that logit. A bug shows up as
   divergences at large margins; rounding as margins of a few ulp.
@@ -89,18 +90,29 @@ def run(args: argparse.Namespace) -> dict:
     gen = SpecGenerator.from_pretrained(target, args.draft, tokenizer=tokenizer, total_tokens=total)
     eos = gen.eos_ids(None)
     dtype = next(target.parameters()).dtype
-    methods = [f"plain {k}" for k in KERNELS] + ["speculative"]
+    methods = ["generate, batch of 2"] + [f"plain {k}" for k in KERNELS] + ["speculative"]
     divergences: dict[str, list] = {m: [] for m in methods}
-    for question in tqdm(load_questions(args.bench, args.limit), desc="identity", unit="q"):
-        ids = torch.tensor(prompt_ids(tokenizer, [{"role": "user", "content": question["turns"][0]}]))
-        out = target.generate(ids[None], max_new_tokens=args.max_new_tokens, do_sample=False, output_logits=True,
-                              return_dict_in_generate=True, eos_token_id=eos.tolist(),
-                              pad_token_id=tokenizer.pad_token_id)
+    questions = load_questions(args.bench)
+    hf = dict(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos.tolist(),
+              pad_token_id=tokenizer.pad_token_id)
+    for i, question in enumerate(tqdm(questions[: args.limit], desc="identity", unit="q")):
+        ids, beside = (torch.tensor(prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}]))
+                       for q in (question, questions[(i + 1) % len(questions)]))
+        out = target.generate(ids[None], output_logits=True, return_dict_in_generate=True, **hf)
         reference = out.sequences[0, len(ids):].tolist()
         logits = torch.cat(out.logits)  # [n, V]: generate's logits at each of its steps
         for method in methods:
             if method == "speculative":
                 tokens = gen.generate(ids, max_new_tokens=args.max_new_tokens).sequences[0, len(ids):].tolist()
+            elif method == "generate, batch of 2":
+                width = max(len(ids), len(beside))
+                batch = torch.full((2, width), tokenizer.pad_token_id, dtype=torch.long)
+                attention = torch.zeros_like(batch)
+                for row, prompt in enumerate((ids, beside)):
+                    batch[row, width - len(prompt):], attention[row, width - len(prompt):] = prompt, 1
+                row0 = target.generate(batch, attention_mask=attention, **hf)[0, width:].tolist()
+                stop = next((j + 1 for j, t in enumerate(row0) if t in eos.tolist()), len(row0))
+                tokens = row0[:stop]  # the row's own answer, without the padding after its EOS
             else:
                 tokens = plain_generate(target, ids, args.max_new_tokens, SamplingConfig(), eos,
                                         one_row=method.split()[1]).tolist()
