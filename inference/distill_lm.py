@@ -3,12 +3,14 @@ and the shipped GRIFFIN head. Writes ``benchmarks/results/distill-lm.{json,md,pn
 
     OMP_NUM_THREADS=1 python -m inference.distill_lm                          # the committed run (tiny budgets)
     OMP_NUM_THREADS=1 python -m inference.distill_lm --train-only tvd,tvdpp   # train students in another process
-    OMP_NUM_THREADS=1 python -m inference.distill_lm --steps 200 --questions 16 --work students/long
+    OMP_NUM_THREADS=1 python -m inference.distill_lm --steps 150 --lr 3e-3 --gen-len 64 --questions 16 \
+        --max-new-tokens 64 --val-every 25 --val-samples 8 --students fkl,fkl-fixed,fkl-target --tag study
 
 1. Students (``python -m training.distill``, the default 2-layer student with a reduced output vocabulary), each
    from the same start and for the same number of updates: undistilled; FKL, RKL, JSD, TVD on on-policy data
-   (student-generated responses); FKL on the fixed data (ShareGPT conversations); the TVD++ direct-alignment recipe
-   (target-generated responses); FKL on on-policy data with AdaSPEC selection (reference: the FKL student).
+   (student-generated responses); FKL on the fixed data (ShareGPT conversations); FKL on target-generated responses;
+   the TVD++ direct-alignment recipe (target-generated responses); FKL on on-policy data with AdaSPEC selection
+   (reference: the FKL student). ``--students`` runs a subset; ``--val-every`` adds held-out learning curves.
 2. For each: the measured per-token acceptance rate α and τ (new tokens per target pass) with chains of ``--gamma``
    on MT-Bench first turns (every ``80 / --questions``-th question: all eight categories), greedy and at T=1.
 3. Speed on the same prompts, greedy, methods interleaved per prompt in one process: transformers' ``generate``,
@@ -235,6 +237,14 @@ def report(result: dict) -> str:
                      r["T0"]["alpha"], r["T0"]["tau"], r["T1"]["alpha"], r["T1"]["tau"], r["T0"]["identical_fraction"]])
     table = markdown_table(["student", "objective / data", "updates", "held-out 1-TVD", "target NLL of its training "
                             "text", "α T=0", "τ T=0", "α T=1", "τ T=1", "greedy identical"], rows)
+    curves = {n: r["val_curve"] for n, r in result["students"].items() if len(r.get("val_curve", [])) > 2}
+    if curves:
+        points = sorted({c["updates"] for curve in curves.values() for c in curve})
+        by_update = {n: {c["updates"]: c["acceptance"] for c in curve} for n, curve in curves.items()}
+        table += ("\nHeld-out acceptance (1 − TVD at T=1 on held-out ShareGPT responses) as training goes:\n\n"
+                  + markdown_table(["student"] + [f"{u} updates" for u in points],
+                                   [[n] + [f"{v[u]:.3f}" if u in v else "-" for u in points]
+                                    for n, v in by_update.items()]))
     table += ("\nTarget NLL of its training text: the target's mean negative log-likelihood (nats per token) of the "
               "response tokens the student was trained on; the text speculative decoding drafts after is the "
               "target's own, so the lower, the closer training is to inference.\n")
@@ -263,10 +273,11 @@ def report(result: dict) -> str:
             f"{result['wall_minutes']:.1f} min. Students and evaluations may be produced first in parallel processes "
             "with --train-only / --eval-only (same settings), as this run's were.\n")
     c = sp["costs"]
+    forward = {int(n): v for n, v in c["target_forward_s"].items()}  # int keys in memory, strings once in JSON
     costs = (f"\nMeasured costs: a draft step {1000 * c['draft_step_s']:.1f} ms, "
              f"{c['draft_step_vs_target_step']:.2f} of a one-token target step "
-             f"({1000 * c['target_forward_s'][1]:.1f} ms); verifying γ+1 tokens: "
-             + ", ".join(f"{1000 * v:.1f} ms (n={n})" for n, v in c["target_forward_s"].items() if n != 1)
+             f"({1000 * forward[1]:.1f} ms); verifying γ+1 tokens: "
+             + ", ".join(f"{1000 * v:.1f} ms (n={n})" for n, v in forward.items() if n != 1)
              + ". Acceptance rate α a chain needs to break even: "
              + ", ".join(f"γ={g}: {a}" for g, a in c["break_even_alpha"].items()) + ".\n")
     return head + table + speed_head + markdown_table(["method", "tokens/s", "τ", "speedup vs fastest plain",

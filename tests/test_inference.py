@@ -328,3 +328,30 @@ def test_every_command_answers_help_before_loading_torch():
     res = run_module("-c", HELP_WITHOUT_TORCH, *COMMANDS, launcher=[sys.executable])
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == [f"{module} []" for module in COMMANDS]
+
+
+def test_distill_lm_report_shows_learning_curves_and_the_training_text_nll(tmp_path):
+    from inference.distill_lm import plot, report
+
+    def student(curve: list[float], nll: float | None) -> dict:
+        return {"description": "d", "steps": 50, "val_acceptance": curve[-1], "train_target_nll": nll,
+                "val_curve": [{"updates": 25 * i, "acceptance": a, "positions": 9} for i, a in enumerate(curve)],
+                "T0": {"alpha": 0.2, "tau": 1.2, "identical_fraction": 1.0}, "T1": {"alpha": 0.3, "tau": 1.3}}
+
+    result = {"settings": {"layers": 2, "draft_vocab": 64, "steps": 50, "batch_size": 4, "gen_len": 8, "lr": 3e-3,
+                           "max_new_tokens": 8, "gamma": 3},
+              "question_ids": [81], "best_student": "fixed", "command": "cmd", "train_minutes": 1.0,
+              "wall_minutes": 1.0, "load_average_before_speed": 0.5, "load_average_after_speed": 0.5,
+              "machine": {"cpu": "cpu", "cores": 2, "torch": "2.13", "date": "today"},
+              "students": {"undistilled": student([0.06, 0.06], None), "fixed": student([0.06, 0.18, 0.25], 1.86),
+                           "online": student([0.06, 0.06, 0.17], 7.5)},
+              "speed": {"fastest_plain": "plain", "methods": {"plain": {"tokens_per_s": 12.0, "tau": 1.0,
+                                                                       "speedup_vs_fastest_plain": 1.0,
+                                                                       "identical_fraction": 1.0}},
+                        "costs": {"draft_step_s": 0.006, "draft_step_vs_target_step": 0.07,
+                                  "target_forward_s": {"1": 0.09, "2": 0.1}, "break_even_alpha": {"1": 0.01}}}}
+    text = report(result)
+    assert "| fixed | 0.060 | 0.180 | 0.250 |" in text and "| online | 0.060 | 0.060 | 0.170 |" in text
+    assert "| undistilled |" in text.split("as training goes")[0] and "| 7.50 |" in text  # the NLL column
+    plot(result, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
