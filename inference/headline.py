@@ -109,7 +109,8 @@ def costs(results_dir: Path) -> str:
         if "regeneration" in r:
             best = max(r["regeneration"]["rows"], key=lambda x: x["tokens_per_s"])
             regen = (f"; regeneration at most {best['tokens_per_s']:.1f} new tokens/s ({best['engine']}, "
-                     f"{best['dtype']}, batch {best['batch_size']}, {best['cache']} cache, {best['threads']} threads)")
+                     f"{best['dtype']}, batch {best['batch_size']}, {best['cache']} cache, {best['threads']} thread"
+                     f"{'' if best['threads'] == 1 else 's'})")
         lines.append(f"- Training pipeline ([{pipeline.as_posix()}]({pipeline.as_posix()})): features {feats}; "
                      f"training tokens/s {train}{regen}.")
     if not lines:
