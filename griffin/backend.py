@@ -11,7 +11,8 @@ logits step from :mod:`griffin.family`, and runs:
   math kernel). During verification passes :class:`PackedGQA` instead folds the query heads of each KV group into
   extra query rows, [B, nh, q, D] -> [B, nkv, groups*q, D], with the mask repeated per group: the same products,
   no KV copy, and any SDPA kernel that takes a mask;
-- on CPU, passes of 2..``weight_major_rows`` tokens with weight-major linear layers (:mod:`griffin.kernels`).
+- on CPU, passes of 2..``weight_major_rows`` tokens with weight-major linear layers, and one-token passes with the
+  one-row kernel plain decoding takes (:mod:`griffin.kernels`), so that measured costs compare like with like.
 
 With ``compile`` (off by default) verification passes have static shapes and addresses and run through
 ``torch.compile`` (``compile="reduce-overhead"``: CUDA graphs): the cache writes at a device-side offset and attention
@@ -28,7 +29,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .family import output_logits, verification_mask
-from .kernels import WeightMajorLinears, default_max_rows
+from .kernels import WeightMajorLinears, default_max_rows, default_one_row
 from .kv_cache import BufferCache
 
 PACKED_GQA = "griffin_packed_gqa_sdpa"
@@ -92,7 +93,9 @@ class TargetBackend:
         self.num_layers = model.config.get_text_config().num_hidden_layers
         if weight_major_rows is None:
             weight_major_rows = default_max_rows(self.device)
-        self.weight_major = WeightMajorLinears(model, weight_major_rows)  # see griffin.kernels
+        # see griffin.kernels; one-token forwards (the cost model's plain step) take plain decoding's fastest kernel
+        self.weight_major = WeightMajorLinears(model, weight_major_rows,
+                                               default_one_row(self.device, self.lm_head.weight.dtype))
         self.packed_gqa = PackedGQA(model) if packed_gqa else contextlib.nullcontext()
         self.cache: BufferCache | None = None
         self._cache_key: tuple | None = None
@@ -129,7 +132,7 @@ class TargetBackend:
             return self._static_forward(tokens, positions, tree_mask, cache)
         q = tokens.shape[0]
         mask = verification_mask(self.model, cache.length, tree_mask, self.lm_head.weight.dtype)
-        small = 2 <= q <= self.weight_major.max_rows
+        small = q <= max(self.weight_major.max_rows, 1)  # one token: the one-row kernel; 2..max_rows: weight-major
         with self.weight_major if small else contextlib.nullcontext(), self.packed_gqa:
             hidden = self.decoder(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask,
                                   past_key_values=cache, use_cache=True).last_hidden_state[0]  # [q, H]
