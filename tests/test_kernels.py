@@ -90,3 +90,25 @@ def test_plain_loop_with_each_one_row_kernel_equals_generate(kernel):
     got = plain_generate(model, ids, 12, SamplingConfig(0.0), torch.tensor([], dtype=torch.long), one_row=kernel)
     assert got.tolist() == expected.tolist()
     assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_one_token_target_forwards_take_plain_decodings_kernel(monkeypatch):
+    """The cost model's plain step (a one-token backend forward) uses the kernel plain decoding uses, not F.linear."""
+    from griffin.backend import TargetBackend
+    from griffin.kv_cache import BufferCache
+
+    model = tiny_model("llama", vocab_size=128, seed=3)
+    backend = TargetBackend(model)
+    assert backend.weight_major.one_row == default_one_row(torch.device("cpu"), torch.float32) == "pad"
+    calls = []
+    real_linear = F.linear
+    monkeypatch.setattr(F, "linear", lambda *a, **k: calls.append(a[0].shape) or real_linear(*a, **k))
+    cache = BufferCache(model.config.num_hidden_layers, 16)
+    with torch.inference_mode():
+        backend.prefill(torch.arange(5), cache)
+        calls.clear()
+        _, logits = backend.forward(torch.tensor([7]), torch.tensor([5]), torch.ones(1, 1, dtype=torch.bool), cache)
+        assert calls == []  # every linear layer of the one-token pass went through the two-row weight-major product
+        expected = model(torch.cat([torch.arange(5), torch.tensor([7])])[None]).logits[0, -1:]
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    assert TargetBackend(model, weight_major_rows=0).weight_major.one_row == "pad"  # one token even with rows off
