@@ -229,11 +229,23 @@ def break_even(gen: SpecGenerator, gammas: list[int]) -> dict:
             "break_even_alpha": alphas}
 
 
+def target_nll_summary(history: list[dict], window: int = 10) -> dict:
+    """The target's mean NLL of a student's training text: over the run, its first and its last ``window`` updates
+    (whether training moved the text the student learns on closer to the target's)."""
+    nll = [h["target_nll"] for h in history if "target_nll" in h]
+    if not nll:
+        return {"train_target_nll": None}
+    return {"train_target_nll": sum(nll) / len(nll), "train_target_nll_first": sum(nll[:window]) / len(nll[:window]),
+            "train_target_nll_last": sum(nll[-window:]) / len(nll[-window:])}
+
+
 def report(result: dict) -> str:
     rows = []
     for name, r in result["students"].items():
-        nll = r.get("train_target_nll")
-        rows.append([name, r["description"], r["steps"], r["val_acceptance"], "-" if nll is None else nll,
+        nll = "-" if r.get("train_target_nll") is None else (f"{r['train_target_nll']:.2f} (first 10 updates "
+                                                             f"{r['train_target_nll_first']:.2f}, last 10 "
+                                                             f"{r['train_target_nll_last']:.2f})")
+        rows.append([name, r["description"], r["steps"], r["val_acceptance"], nll,
                      r["T0"]["alpha"], r["T0"]["tau"], r["T1"]["alpha"], r["T1"]["tau"], r["T0"]["identical_fraction"]])
     table = markdown_table(["student", "objective / data", "updates", "held-out 1-TVD", "target NLL of its training "
                             "text", "α T=0", "τ T=0", "α T=1", "τ T=1", "greedy identical"], rows)
@@ -353,10 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         for t in ("T0", "T1"):
             evaluation[t].pop("outputs")
         validation = reports[name]["validation"]
-        nll = [h["target_nll"] for h in reports[name]["history"] if "target_nll" in h]
         students[name] = {"description": description, "steps": reports[name]["progress"]["updates"],
                           "val_acceptance": validation[-1]["acceptance"], "val_curve": validation,
-                          "train_target_nll": sum(nll) / len(nll) if nll else None,
+                          **target_nll_summary(reports[name]["history"]),
                           "train_seconds": reports[name]["progress"]["seconds"],
                           "sources": reports[name]["progress"]["sources"], **evaluation}
     best = max((n for n in students if n != "undistilled"), key=lambda n: students[n]["T0"]["tau"])

@@ -105,12 +105,10 @@ def run(args: argparse.Namespace) -> dict:
             if method == "speculative":
                 tokens = gen.generate(ids, max_new_tokens=args.max_new_tokens).sequences[0, len(ids):].tolist()
             elif method == "generate, batch of 2":
-                width = max(len(ids), len(beside))
-                batch = torch.full((2, width), tokenizer.pad_token_id, dtype=torch.long)
-                attention = torch.zeros_like(batch)
-                for row, prompt in enumerate((ids, beside)):
-                    batch[row, width - len(prompt):], attention[row, width - len(prompt):] = prompt, 1
-                row0 = target.generate(batch, attention_mask=attention, **hf)[0, width:].tolist()
+                batch = tokenizer.pad({"input_ids": [ids.tolist(), beside.tolist()]}, padding_side="left",
+                                      return_tensors="pt")
+                width = batch["input_ids"].shape[1]
+                row0 = target.generate(**batch, **hf)[0, width:].tolist()
                 stop = next((j + 1 for j, t in enumerate(row0) if t in eos.tolist()), len(row0))
                 tokens = row0[:stop]  # the row's own answer, without the padding after its EOS
             else:

@@ -331,10 +331,11 @@ def test_every_command_answers_help_before_loading_torch():
 
 
 def test_distill_lm_report_shows_learning_curves_and_the_training_text_nll(tmp_path):
-    from inference.distill_lm import plot, report
+    from inference.distill_lm import plot, report, target_nll_summary
 
     def student(curve: list[float], nll: float | None) -> dict:
-        return {"description": "d", "steps": 50, "val_acceptance": curve[-1], "train_target_nll": nll,
+        nlls = {} if nll is None else {"train_target_nll_first": nll - 0.5, "train_target_nll_last": nll + 0.5}
+        return {"description": "d", "steps": 50, "val_acceptance": curve[-1], "train_target_nll": nll, **nlls,
                 "val_curve": [{"updates": 25 * i, "acceptance": a, "positions": 9} for i, a in enumerate(curve)],
                 "T0": {"alpha": 0.2, "tau": 1.2, "identical_fraction": 1.0}, "T1": {"alpha": 0.3, "tau": 1.3}}
 
@@ -352,6 +353,10 @@ def test_distill_lm_report_shows_learning_curves_and_the_training_text_nll(tmp_p
                                   "target_forward_s": {"1": 0.09, "2": 0.1}, "break_even_alpha": {"1": 0.01}}}}
     text = report(result)
     assert "| fixed | 0.060 | 0.180 | 0.250 |" in text and "| online | 0.060 | 0.060 | 0.170 |" in text
-    assert "| undistilled |" in text.split("as training goes")[0] and "| 7.50 |" in text  # the NLL column
+    assert "| undistilled |" in text.split("as training goes")[0]
+    assert "| 7.50 (first 10 updates 7.00, last 10 8.00) |" in text  # the NLL column
+    history = [{"target_nll": float(i)} for i in range(30)] + [{"loss": 1.0}]
+    assert target_nll_summary(history) == {"train_target_nll": 14.5, "train_target_nll_first": 4.5,
+                                           "train_target_nll_last": 24.5}
     plot(result, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
