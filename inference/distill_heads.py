@@ -167,28 +167,25 @@ def evaluate_missing(args, argv: list[str] | None) -> None:
         samples = tau.continuations(model, tokenizer, args.bench, temperature, 0, args.max_new_tokens,
                                     args.limit[temperature])
         heads = {name: tau.prepare_head(path, model) for name, path in missing.items()}
-        partial = Path(args.results) / f".{args.bench}-T{temperature:g}.partial.jsonl"
+        key = f"{temperature:g}"
+        settings = {"bench": args.bench, "temperature": temperature, "limit": args.limit[temperature],
+                    "max_new_tokens": args.max_new_tokens, "tree": [args.total_tokens, args.depth, args.top_k],
+                    "heads": {name: [path, tau.head_digest(path)] for name, path in missing.items()}}
+        journal = tau.Journal(Path(args.results) / f".{args.bench}-T{key}.partial.jsonl", settings)
         done: dict[str, dict[tuple, tau.PromptTau]] = {name: {} for name in heads}
-        if partial.is_file():
-            for line in partial.read_text().splitlines():
-                record = json.loads(line)
-                name = record.pop("head")
-                if name in done:
-                    done[name][(record["question_id"], record["turn"])] = tau.PromptTau(**record)
-        print(f"τ at T={temperature:g} for {', '.join(missing)} on {len(samples)} prompts", flush=True)
+        for (name, question_id, turn), prompt in journal.replays(key).items():
+            done[name][(question_id, turn)] = prompt
+        print(f"τ at T={key} for {', '.join(missing)} on {len(samples)} prompts", flush=True)
         start = time.perf_counter()
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        with partial.open("a") as log:
-            for sample in tqdm(samples, desc=f"τ T={temperature:g}", unit="prompt", dynamic_ncols=True):
-                key = (sample.question_id, sample.turn)
-                todo = {name: head for name, head in heads.items() if key not in done[name]}
-                if not todo:
-                    continue
-                for name, res in tau.evaluate(todo, model, [sample], args.depth, args.top_k, args.total_tokens,
-                                              progress=False).items():
-                    done[name][key] = res.prompts[0]
-                    log.write(json.dumps({"head": name, **dataclasses.asdict(res.prompts[0])}) + "\n")
-                log.flush()
+        for sample in tqdm(samples, desc=f"τ T={key}", unit="prompt", dynamic_ncols=True):
+            prompt_key = (sample.question_id, sample.turn)
+            todo = {name: head for name, head in heads.items() if prompt_key not in done[name]}
+            if not todo:
+                continue
+            for name, res in tau.evaluate(todo, model, [sample], args.depth, args.top_k, args.total_tokens,
+                                          progress=False).items():
+                done[name][prompt_key] = res.prompts[0]
+                journal.add(("replay", name, key, *prompt_key), dataclasses.asdict(res.prompts[0]))
         seconds = time.perf_counter() - start
         for name in heads:
             res = tau.TauResult(args.depth, [done[name][(s.question_id, s.turn)] for s in samples])
@@ -198,8 +195,8 @@ def evaluate_missing(args, argv: list[str] | None) -> None:
                       **res.as_dict(), "seconds_this_run_all_heads": seconds, "machine": machine_info(),
                       "command": command_line("inference.distill_heads", argv)}
             atomic_write_json(result_path(args, name, temperature), record)
-            print(f"{name} T={temperature:g}: τ {res.tau:.3f} ± {res.tau_se:.3f}", flush=True)
-        partial.unlink()
+            print(f"{name} T={key}: τ {res.tau:.3f} ± {res.tau_se:.3f}", flush=True)
+        journal.finish()
 
 
 def paired(a: list[dict], b: list[dict]) -> tuple[float, float]:

@@ -224,7 +224,9 @@ def answers_jsonl(records: list[dict], questions: list[dict], tok, model_id: str
     return "\n".join(lines) + "\n"
 
 
-def load_partial(path: Path, settings: dict) -> list[dict]:
+def load_partial(path: Path, settings: dict, questions: list[dict]) -> list[dict]:
+    """Records of the questions an interrupted run with the same settings finished (all their turns); the file is
+    rewritten to hold just those, so a line or a turn cut by a kill is measured again rather than kept."""
     if not path.is_file():
         return []
     lines = path.read_text().splitlines()
@@ -237,7 +239,14 @@ def load_partial(path: Path, settings: dict) -> list[dict]:
             records.append(json.loads(line))
         except json.JSONDecodeError:  # a line cut by a kill
             break
-    return records
+    turns = {q["question_id"]: len(q["turns"]) for q in questions}
+    counts: dict = {}
+    for r in records:
+        counts[r["question_id"]] = counts.get(r["question_id"], 0) + 1
+    kept = [r for r in records if counts[r["question_id"]] == turns.get(r["question_id"])]
+    if len(kept) < len(lines) - 1:
+        atomic_write_text(path, "".join(json.dumps(x) + "\n" for x in [settings, *kept]))
+    return kept
 
 
 def run_bench(bench: str, gen: SpecGenerator, runner: Runner, args: argparse.Namespace, tag: str) -> dict:
@@ -248,14 +257,14 @@ def run_bench(bench: str, gen: SpecGenerator, runner: Runner, args: argparse.Nam
     skip = ("bench", "out_dir", "argv", "retune")
     settings = {k: v for k, v in vars(args).items() if k not in skip} | {"bench": bench}
     partial = out_dir / f".{stem}.partial.jsonl"
-    records = load_partial(partial, json.loads(json.dumps(settings)))
+    records = load_partial(partial, json.loads(json.dumps(settings)), questions)
     done = {r["question_id"] for r in records}
     if not records:
         partial.write_text(json.dumps(settings) + "\n")
+    pending = [q for q in questions if q["question_id"] not in done]
     with open(partial, "a") as handle:
-        for question in tqdm(questions, desc=bench, unit="q", initial=len(done), dynamic_ncols=True):
-            if question["question_id"] in done:
-                continue
+        for question in tqdm(pending, desc=bench, unit="q", initial=len(done), total=len(questions),
+                             dynamic_ncols=True):
             new = question_records(runner, question, bench, args.seed + int(question["question_id"]))
             handle.write("".join(json.dumps(r) + "\n" for r in new))
             handle.flush()

@@ -607,16 +607,20 @@ class Journal:
         self.path, self.done = path, {}
         settings = json.loads(json.dumps(settings))
         lines = path.read_text().splitlines() if path.is_file() else []
+        kept = 0
         if lines and json.loads(lines[0]) == settings:
             for line in lines[1:]:
                 try:
                     record = json.loads(line)
-                except json.JSONDecodeError:  # a line cut by a kill
+                except json.JSONDecodeError:  # a line cut by a kill: later appends must not follow it
                     break
                 self.done[tuple(record["key"])] = record["value"]
+                kept += 1
         path.parent.mkdir(parents=True, exist_ok=True)
         if not self.done:
             path.write_text(json.dumps(settings) + "\n")
+        elif kept < len(lines) - 1:
+            atomic_write_text(path, "\n".join(lines[: kept + 1]) + "\n")
         self.handle = open(path, "a")
 
     def add(self, key: tuple, value: dict) -> None:

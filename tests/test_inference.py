@@ -127,6 +127,21 @@ def test_speed_run_writes_results(tmp_path, embedded):
     assert not list((tmp_path / "results").glob(".*partial*"))
 
 
+def test_resume_keeps_only_questions_with_every_turn(tmp_path):
+    from inference.speed import load_partial
+
+    settings = {"bench": "mt_bench", "seed": 0}
+    questions = [{"question_id": 81, "turns": ["a", "b"]}, {"question_id": 82, "turns": ["c", "d"]}]
+    done = [{"question_id": 81, "turn": 0}, {"question_id": 81, "turn": 1}]
+    path = tmp_path / ".run.partial.jsonl"
+    # question 82: its first turn was written, its second cut by a kill
+    path.write_text("".join(json.dumps(x) + "\n" for x in [settings, *done, {"question_id": 82, "turn": 0}])
+                    + '{"question_id": 82, "tu')
+    assert load_partial(path, settings, questions) == done
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [settings, *done]
+    assert load_partial(path, {**settings, "seed": 1}, questions) == [] and not path.exists()
+
+
 def fake_result(bench: str, draft: str, temperature: float, tau: float) -> dict:
     return {"bench": bench, "target": "smollm2-135m-instruct", "draft": draft, "temperature": temperature,
             "max_new_tokens": 128, "n_prompts": 80, "tau": tau, "tokens_per_s": 30.0, "speedup": 2.0,

@@ -166,6 +166,18 @@ def test_cli_errors_are_one_line(args, message):
     assert code == 2 and message in err and "Traceback" not in err
 
 
+def test_journal_drops_a_cut_line_so_later_results_survive(tmp_path):
+    path = tmp_path / ".run.partial.jsonl"
+    settings = {"bench": "b"}
+    first = {"key": ["replay", "h", "0", 1, 0], "value": {"tau": 2.0}}
+    path.write_text("\n".join(json.dumps(x) for x in [settings, first]) + '\n{"key": ["replay", "h"')
+    journal = tau.Journal(path, settings)
+    assert list(journal.done) == [tuple(first["key"])]
+    journal.add(("replay", "h", "0", 2, 0), {"tau": 3.0})
+    journal.handle.close()
+    assert len(tau.Journal(path, settings).done) == 2
+
+
 def test_cli_engine_check_resume_and_reference(tmp_path, tiny_target_dir, monkeypatch):
     model, _ = load_target(tiny_target_dir)
     head = tmp_path / "head"
