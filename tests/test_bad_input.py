@@ -313,3 +313,15 @@ def test_a_real_process_prints_one_error_line_and_no_traceback(tmp_path, store):
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "shard-00000.safetensors is truncated or corrupted" in errors[0], res.stderr
     assert res.stderr.rstrip().endswith(errors[0])
+
+
+def test_evaluate_scores_every_conversation_and_names_a_folder_that_is_no_head(tmp_path, store, head_dir):
+    out = tmp_path / "report.json"
+    code, err = run_main("training.evaluate", str(head_dir), "--features", str(store), "--steps", "2", "--out",
+                         str(out))
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    assert report["conversations"] == 10 and [p["pass"] for p in report["passes"]] == [1, 2]
+    assert 0 <= report["passes"][0]["top1"] <= 1 and report["passes"][0]["kept"] == 1.0
+    check("training.evaluate", str(tmp_path), "--features", str(store), message="is not a head folder")
+    check("training.evaluate", str(head_dir), "--features", str(tmp_path), message="is not a feature store")

@@ -292,3 +292,37 @@ class MultiPassObjective(nn.Module):
                 "kept": torch.stack([out.mask.sum() for out in passes]),
                 "top1": torch.stack([(out.hit1 * out.mask).sum() for out in passes]),
                 "topk": torch.stack([(out.hitk * out.mask).sum() for out in passes])}
+
+
+@torch.no_grad()
+def score_store(objective: MultiPassObjective, store, indices: list[int], batch_size: int, max_len: int | None,
+                device: torch.device, autocast=None, progress: bool = True) -> torch.Tensor:
+    """Validation totals of ``objective`` (in eval mode) over conversations ``indices`` of a feature store:
+    [5, K] rows loss sums, loss counts, kept positions, top-1 hits, top-k hits (sum them across processes, then
+    :func:`pass_report`). ``autocast``: a context-manager factory (training's mixed precision), or None."""
+    from contextlib import nullcontext
+
+    from tqdm.auto import tqdm
+
+    totals = torch.zeros(5, objective.steps, device=device)
+    for b in tqdm(range(0, len(indices), batch_size), desc="validate", disable=not progress, leave=False):
+        batch = make_batch([store[i] for i in indices[b : b + batch_size]], max_len).to(device)
+        member = batch_members(objective.draft, batch)
+        vocab = None if member is None else member.nonzero().squeeze(1)
+        with (autocast or nullcontext)():
+            out = objective(batch, vocab)
+        totals += torch.stack([out["loss_sums"], out["counts"], out["kept"], out["top1"], out["topk"]]).float()
+    return totals
+
+
+def pass_report(totals: torch.Tensor, report_k: int) -> list[dict]:
+    """[5, K] totals (:func:`score_store`) -> per pass: loss, top-1, top-k and kept (a fraction of pass 1's positions);
+    None where nothing was measured (never reported as 0)."""
+    sums, counts, kept, top1, topk = totals.tolist()
+
+    def ratio(a: float, b: float) -> float | None:
+        return a / b if b else None
+
+    return [{"pass": k + 1, "loss": ratio(sums[k], counts[k]), "top1": ratio(top1[k], kept[k]),
+             f"top{report_k}": ratio(topk[k], kept[k]), "kept": ratio(kept[k], kept[0]), "positions": int(kept[k])}
+            for k in range(len(sums))]

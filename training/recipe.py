@@ -44,6 +44,7 @@ the same machine.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
@@ -258,6 +259,71 @@ def build_chunk(args, cfg: dict, chunk: int, timing: dict) -> Path:
     return view
 
 
+FIXED_VAL = "fixed-val.jsonl"  # beside the heads: the records of the fixed validation set
+
+
+def held_out_records(args, cfg: dict) -> str:
+    """The ShareGPT records of chunk 0's held-out conversations (training's validation split, so no head trains on
+    them), as JSONL: found by tokenizing chunk 0's records the way build_features did and matching the stored ids."""
+    from transformers import AutoTokenizer
+
+    from griffin.chat import tokenize_conversation
+    from griffin.target import resolve_target_path
+
+    from .data import BadConversation, to_messages
+    from .store import FeatureStore
+    from .train import VAL_FRACTION, split
+
+    store = FeatureStore(build_chunk(args, cfg, 0, {}))
+    wanted = {tuple(store[i].input_ids.tolist()): i for i in split(len(store), VAL_FRACTION)[1]}
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(cfg["target"]))
+    lines = []
+    for record in itertools.islice(iter_records(cfg["data"]), cfg["chunk_shards"] * cfg["shard_records"]):
+        try:
+            ids, _ = tokenize_conversation(tokenizer, to_messages(record), cfg["max_len"])
+        except BadConversation:
+            continue
+        if wanted.pop(tuple(ids.tolist()), None) is not None:
+            lines.append(json.dumps(record) + "\n")
+    if wanted:
+        raise StoreError(f"{len(wanted)} held-out conversations of chunk 0 match no record of its shards: rebuild "
+                         f"{Path(args.work) / 'chunks'} and {args.sharegpt_store} with this version")
+    return "".join(lines)
+
+
+def fixed_val_store(args, cfg: dict) -> Path:
+    """Features of the fixed validation set (rebuilt from the committed records where lost)."""
+    records = Path(args.checkpoints) / FIXED_VAL
+    if not records.is_file():
+        atomic_write_text(records, held_out_records(args, cfg))
+    store = Path(args.work) / "fixed-val"
+    if not (store / MANIFEST).is_file():
+        python("training.build_features", "--data", str(records), "--out", str(store), "--target", cfg["target"],
+               "--max-len", str(cfg["max_len"]), "--dtype", "bf16")
+    return store
+
+
+def fixed_val(run: Path, head: Head, steps: int, store: Path) -> list[dict]:
+    """Per pass top-1 and kept of the head in ``run`` on the fixed validation set (scored once, kept in the run)."""
+    report = run / "fixed-val.json"
+    if not report.is_file():
+        python("training.evaluate", str(run), "--features", str(store), "--steps", str(steps), "--topk",
+               str(head.topk), "--mixed-precision", "bf16", "--out", str(report))
+    return [{k: p[k] for k in ("pass", "top1", "kept")} for p in json.loads(report.read_text())["passes"]]
+
+
+def backfill_fixed_val(args, state: dict, store: Path) -> int:
+    """Score the curve's earlier points on the fixed set where their runs are still on this machine; -> how many."""
+    heads = {h.name: h for h in STAGE1 + HEADS}
+    scored = 0
+    for point in state["curve"]:
+        run = Path(args.work) / "runs" / point["head"] / f"chunk-{point['chunk']:03d}"
+        if "fixed" not in point and (run / "model.safetensors").is_file():
+            point["fixed"] = fixed_val(run, heads[point["head"]], point["steps"], store)
+            scored += 1
+    return scored
+
+
 # --- training and export --------------------------------------------------------------------------------------------
 
 
@@ -291,7 +357,7 @@ def head_folder(args, name: str) -> Path:
     return Path(args.checkpoints) / f"wip-{name}"
 
 
-def export(args, state: dict, head: Head, chunk: int, run: Path) -> None:
+def export(args, state: dict, head: Head, chunk: int, run: Path, fixed: list[dict]) -> None:
     """The head after ``chunk`` -> --checkpoints/wip-<head> (fp16, card); its record in recipe.json."""
     dst = head_folder(args, head.name)
     history = state["heads"].get(head.name) or {"chunks": list(state["heads"][head.parent]["chunks"]) if head.parent
@@ -308,7 +374,8 @@ def export(args, state: dict, head: Head, chunk: int, run: Path) -> None:
     last = report["epochs"][-1]
     seen = sum(s["epochs"][-1]["tokens"] for s in stages + [report])
     state["curve"].append({"head": head.name, "chunk": chunk, "steps": report["run"]["steps"], "tokens_seen": seen,
-                           "passes": [{k: p[k] for k in ("pass", "top1", "kept")} for p in last["passes"]]})
+                           "passes": [{k: p[k] for k in ("pass", "top1", "kept")} for p in last["passes"]],
+                           "fixed": fixed})
 
 
 def commit(args, message: str) -> None:
@@ -344,8 +411,11 @@ def progress_markdown(cfg: dict, state: dict) -> str:
 
     heads = markdown_table(["head", "chunks consumed", "of"], [[h.name, consumed_text(state, h), cfg["chunks"]]
                                                               for h in STAGE1 + HEADS])
-    curve = markdown_table(["head", "chunk", "K", "tokens seen", "top-1 per pass", "kept per pass"],
+    curve = markdown_table(["head", "chunk", "K", "tokens seen", "fixed set: top-1 per pass", "kept per pass",
+                            "chunk's held-out: top-1 per pass", "kept per pass"],
                            [[r["head"], r["chunk"], r["steps"], f"{r['tokens_seen']:,}",
+                             *(" / ".join(figure(p[key], d) for p in r.get("fixed", [])) or "-"
+                               for key, d in (("top1", 3), ("kept", 2))),
                              " / ".join(figure(p["top1"], 3) for p in r["passes"]),
                              " / ".join(figure(p["kept"], 2) for p in r["passes"])] for r in state["curve"]])
     times = markdown_table(["chunk", "data", "stage", "tokens", "regenerate s", "features s", "training s per head"],
@@ -354,7 +424,10 @@ def progress_markdown(cfg: dict, state: dict) -> str:
                             for t in state["timings"]])
     return (f"# Heads in training (work in progress)\n\nWritten by `python -m training.recipe` after every chunk; "
             f"`recipe.json` holds the same and is what a rerun continues from. {plan_text(cfg, state)}\n\n"
-            f"{heads}\n## Learning curve (validation on each chunk's held-out 5 %)\n\n{curve}\n"
+            f"{heads}\n## Learning curve\n\nValidation top-1 against training tokens seen. The fixed set is "
+            f"chunk 0's held-out ShareGPT conversations (`{FIXED_VAL}`; no head trains on them), the same for every "
+            "point, so it is the learning curve; each chunk's own held-out 5 % changes with the chunk's data "
+            f"(ShareGPT or the target's answers).\n\n{curve}\n"
             f"## Time per chunk on this machine (one thread)\n\n{times}")
 
 
@@ -377,6 +450,10 @@ def main(argv: list[str] | None = None) -> int:
     print(plan_text(cfg, state))
     if args.plan:
         return 0
+    fixed_store = fixed_val_store(args, cfg)
+    if backfill_fixed_val(args, state, fixed_store):
+        atomic_write_json(path, state)
+        atomic_write_text(path.with_name("README.md"), progress_markdown(cfg, state))
     last_commit = 0.0  # the first head this run exports is committed at once, later ones at most every --commit-every
     stop = cfg["chunks"] if args.chunks is None else min(cfg["chunks"], args.chunks)
     for chunk in range(stop):
@@ -391,8 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         for head in todo:
             t0 = time.time()
             run = train(args, cfg, state, head, chunk, store)
-            export(args, state, head, chunk, run)
             timing["train_s"][head.name] = round(time.time() - t0)
+            export(args, state, head, chunk, run, fixed_val(run, head, head.steps[stage - 1], fixed_store))
             last = head is todo[-1]
             if last:
                 state["timings"].append(timing)

@@ -31,6 +31,8 @@ from griffin.constants import TOKEN_LOSSES
 
 from .cli import fraction, nonnegative_float, nonnegative_int, positive_float, positive_int, prepare_out, run_cli
 
+VAL_FRACTION = 0.05  # of a store's conversations held out for validation (the same ones for every head)
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m training.train", description=__doc__,
@@ -70,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="autocast (default: accelerate's config; bf16 works on CPU too)")
     p.add_argument("--save-every", type=positive_int, default=200, help="save the resumable state every N updates")
     p.add_argument("--save-dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="dtype of the saved head")
-    p.add_argument("--val-fraction", type=fraction, default=0.05)
+    p.add_argument("--val-fraction", type=fraction, default=VAL_FRACTION)
     p.add_argument("--val-max", type=positive_int, default=None, help="validate on at most N held-out conversations")
     args = p.parse_args(argv)
     if not 0 < args.jsd_beta < 1:
@@ -104,7 +106,7 @@ from griffin.io import atomic_write, atomic_write_json
 from griffin.target import file_lock, load_target_head, resolve_dtype, target_fingerprint
 
 from .losses import make_token_loss
-from .objective import MultiPassObjective, batch_members, make_batch
+from .objective import MultiPassObjective, batch_members, make_batch, pass_report, score_store
 from .state import load_state, save_state
 from .store import FeatureStore, StoreError
 
@@ -328,29 +330,16 @@ class Trainer:
         bar.close()
         self.save(final=True)
 
-    @torch.no_grad()
     def validate(self, epoch: int) -> dict:
         acc = self.acc
         self.objective.eval()
-        totals = None
+        objective = acc.unwrap_model(self.objective)
         mine = self.val_idx[acc.process_index :: acc.num_processes]
-        bs = self.args.batch_size
-        for b in tqdm(range(0, len(mine), bs), desc="validate", disable=not acc.is_main_process, leave=False):
-            out, _ = self.run_batch(mine[b : b + bs], False)
-            stacked = torch.stack([out["loss_sums"], out["counts"], out["kept"], out["top1"], out["topk"]]).float()
-            totals = stacked if totals is None else totals + stacked
-        if totals is None:
-            totals = torch.zeros(5, self.args.steps, device=acc.device)
+        totals = score_store(objective, self.store, mine, self.args.batch_size, self.max_len, acc.device,
+                             acc.autocast, progress=acc.is_main_process)
         totals = acc.reduce(totals, reduction="sum")
-        sums, counts, kept, top1, topk = totals.tolist()
-        report_k = acc.unwrap_model(self.objective).report_k
-
-        def ratio(a: float, b: float) -> float | None:  # None: nothing was measured (never reported as 0)
-            return a / b if b else None
-
-        passes = [{"pass": k + 1, "loss": ratio(sums[k], counts[k]), "top1": ratio(top1[k], kept[k]),
-                   f"top{report_k}": ratio(topk[k], kept[k]), "kept": ratio(kept[k], kept[0]),
-                   "positions": int(kept[k])} for k in range(self.args.steps)]
+        passes = pass_report(totals, objective.report_k)
+        counts = totals[1].tolist()
         record = {"epoch": epoch, "updates": self.progress["updates"], "tokens": self.progress["tokens"],
                   "train_seconds": round(self.progress["seconds"], 1),
                   "train_tokens_per_s": self.progress["tokens"] / max(self.progress["seconds"], 1e-9),
