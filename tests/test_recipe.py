@@ -68,13 +68,14 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     head = load_file(str(ckpt / "wip-griffin-s1" / "model.safetensors"))
     assert all(t.dtype == torch.float16 for t in head.values() if t.is_floating_point())
     # the fixed validation set: chunk 0's held-out conversation, as its record, committed beside the heads
-    held_out = [json.loads(x) for x in (ckpt / "fixed-val.jsonl").read_text().splitlines()]
+    held_out = [json.loads(x) for x in (ckpt / "fixed-val-sharegpt.jsonl").read_text().splitlines()]
     assert len(held_out) == 1 and held_out[0] in conversations(8, words=10)[:4]
-    assert all(p["fixed"][0]["top1"] is not None for p in state["curve"])
+    assert not (ckpt / "fixed-val-regen.jsonl").exists()  # taken when the recipe reaches chunk 1
+    assert all(p["fixed"]["sharegpt"][0]["top1"] is not None for p in state["curve"])
     # a curve from before the fixed set: its points are scored where their runs are still on the machine
     scored = [point.pop("fixed") for point in state["curve"]]
     (ckpt / "recipe.json").write_text(json.dumps(state))
-    (tmp_path / "work" / "runs" / "griffin-s1" / "chunk-000" / "fixed-val.json").unlink()
+    (tmp_path / "work" / "runs" / "griffin-s1" / "chunk-000" / "fixed-val-sharegpt.json").unlink()
     assert recipe.main(argv + ["--chunks", "1"]) == 0
     backfilled = json.loads((ckpt / "recipe.json").read_text())["curve"]
     assert [p.get("fixed") for p in backfilled] == scored  # griffin-s1 scored again, eagle-s1 from its report
@@ -109,9 +110,14 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     assert [t["kind"] for t in state["timings"]] == ["sharegpt", "regen", "sharegpt", "regen"]
     # on the fresh machine the fixed set's features came from the committed records, and every point was scored
     assert [a[a.index("--data") + 1] for m, a in calls if m == "training.build_features" and "--shards" not in a
-            and "fixed-val" in a[a.index("--out") + 1]] == [str(ckpt / "fixed-val.jsonl")]
-    assert all(len(p["fixed"]) == p["steps"] for p in state["curve"])
-    assert "fixed set: top-1 per pass" in (ckpt / "README.md").read_text()
+            and "fixed-val" in a[a.index("--out") + 1]] == [str(ckpt / f"fixed-val-{k}.jsonl") for k in
+                                                             ("sharegpt", "regen")]
+    answers = [json.loads(x) for x in (ckpt / "fixed-val-regen.jsonl").read_text().splitlines()]
+    assert len(answers) == 1 and [t["from"] for t in answers[0]["conversations"]] == ["human", "gpt"]
+    # chunk 0's runs were lost with the machine before the regen set existed: only they lack it
+    assert [sorted(p["fixed"]) for p in state["curve"]] == [["sharegpt"]] * 2 + [["regen", "sharegpt"]] * 9
+    assert all(len(passes) == p["steps"] for p in state["curve"] for passes in p["fixed"].values())
+    assert "fixed regen: top-1 per pass" in (ckpt / "README.md").read_text()
 
     calls.clear()
     assert recipe.main(argv) == 0 and calls == []  # all done: nothing runs

@@ -36,6 +36,11 @@ from its committed head (``--init-from``) with the next chunk it has not consume
 those chunks. Work inside a chunk (regeneration parts, feature shards, training state every 50 updates) resumes on
 the same machine.
 
+**Learning curve.** Every head is scored after every chunk (``training.evaluate``) on fixed validation sets that no
+head trains on: chunk 0's held-out ShareGPT conversations and chunk 1's held-out answers of the target, taken when the
+recipe first reaches those chunks and committed as records (``fixed-val-*.jsonl``) beside the heads, so that a fresh
+machine rebuilds their features in a minute. Each chunk's own held-out 5 % is reported too, but changes with the data.
+
 **Time here** (2 CPU cores shared with other work, one thread): the rates of each step are in
 ``benchmarks/results/pipeline-throughput.md``; the seconds each chunk's steps took are in ``recipe.json``
 (``timings``) and its ``README.md``, written as the run goes.
@@ -212,13 +217,14 @@ def chunk_source(cfg: dict, chunk: int) -> tuple[str, range]:
 
 def regenerated(args, cfg: dict, chunk: int, shards: range) -> Path:
     """The target's answers to the first turns of the group's first ``regen_records`` records, as one JSONL file."""
-    parts = min(math.ceil(cfg["regen_records"] / cfg["shard_records"]), len(shards))
-    out = Path(args.work) / "regen"
-    python("training.regenerate", "--target", cfg["target"], "--data", cfg["data"], "--out", str(out), "--parts",
-           f"{shards.start}:{shards.start + parts}", "--part-size", str(cfg["shard_records"]), "--dtype", "bf16",
-           "--batch-size", str(args.regen_batch), "--max-new-tokens", str(cfg["regen_new_tokens"]))
     merged = Path(args.work) / "regen-chunks" / f"chunk-{chunk:03d}.jsonl"
     if not merged.is_file():
+        parts = min(math.ceil(cfg["regen_records"] / cfg["shard_records"]), len(shards))
+        out = Path(args.work) / "regen"
+        python("training.regenerate", "--target", cfg["target"], "--data", cfg["data"], "--out", str(out),
+               "--parts", f"{shards.start}:{shards.start + parts}", "--part-size", str(cfg["shard_records"]),
+               "--dtype", "bf16", "--batch-size", str(args.regen_batch), "--max-new-tokens",
+               str(cfg["regen_new_tokens"]))
         text = "".join((out / f"part-{i:05d}.jsonl").read_text() for i in range(shards.start, shards.start + parts))
         atomic_write_text(merged, text)
     return merged
@@ -259,12 +265,19 @@ def build_chunk(args, cfg: dict, chunk: int, timing: dict) -> Path:
     return view
 
 
-FIXED_VAL = "fixed-val.jsonl"  # beside the heads: the records of the fixed validation set
+def fixed_sets(cfg: dict) -> dict[str, int]:
+    """The fixed validation sets -> the chunk whose held-out conversations they are: ShareGPT's (chunk 0) and, with
+    regeneration, the target's own answers (chunk 1), the text a head drafts at inference."""
+    return {"sharegpt": 0, "regen": 1} if cfg["regen_records"] and cfg["chunks"] > 1 else {"sharegpt": 0}
 
 
-def held_out_records(args, cfg: dict) -> str:
-    """The ShareGPT records of chunk 0's held-out conversations (training's validation split, so no head trains on
-    them), as JSONL: found by tokenizing chunk 0's records the way build_features did and matching the stored ids."""
+def fixed_records_file(args, kind: str) -> Path:
+    return Path(args.checkpoints) / f"fixed-val-{kind}.jsonl"
+
+
+def held_out_records(args, cfg: dict, chunk: int) -> str:
+    """The records of ``chunk``'s held-out conversations (training's validation split, so no head trains on them), as
+    JSONL: found by tokenizing the chunk's records the way build_features did and matching the stored ids."""
     from transformers import AutoTokenizer
 
     from griffin.chat import tokenize_conversation
@@ -274,11 +287,17 @@ def held_out_records(args, cfg: dict) -> str:
     from .store import FeatureStore
     from .train import VAL_FRACTION, split
 
-    store = FeatureStore(build_chunk(args, cfg, 0, {}))
+    store = FeatureStore(build_chunk(args, cfg, chunk, {}))
     wanted = {tuple(store[i].input_ids.tolist()): i for i in split(len(store), VAL_FRACTION)[1]}
+    kind, shards = chunk_source(cfg, chunk)
+    if kind == "regen":
+        records = iter_records(regenerated(args, cfg, chunk, shards))
+    else:
+        first = shards.start * cfg["shard_records"]
+        records = itertools.islice(iter_records(cfg["data"]), first, shards.stop * cfg["shard_records"])
     tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(cfg["target"]))
     lines = []
-    for record in itertools.islice(iter_records(cfg["data"]), cfg["chunk_shards"] * cfg["shard_records"]):
+    for record in records:
         try:
             ids, _ = tokenize_conversation(tokenizer, to_messages(record), cfg["max_len"])
         except BadConversation:
@@ -286,40 +305,48 @@ def held_out_records(args, cfg: dict) -> str:
         if wanted.pop(tuple(ids.tolist()), None) is not None:
             lines.append(json.dumps(record) + "\n")
     if wanted:
-        raise StoreError(f"{len(wanted)} held-out conversations of chunk 0 match no record of its shards: rebuild "
-                         f"{Path(args.work) / 'chunks'} and {args.sharegpt_store} with this version")
+        raise StoreError(f"{len(wanted)} held-out conversations of chunk {chunk} match no record of it: delete "
+                         f"{Path(args.work)} and {args.sharegpt_store} so that the recipe rebuilds them")
     return "".join(lines)
 
 
-def fixed_val_store(args, cfg: dict) -> Path:
-    """Features of the fixed validation set (rebuilt from the committed records where lost)."""
-    records = Path(args.checkpoints) / FIXED_VAL
-    if not records.is_file():
-        atomic_write_text(records, held_out_records(args, cfg))
-    store = Path(args.work) / "fixed-val"
-    if not (store / MANIFEST).is_file():
-        python("training.build_features", "--data", str(records), "--out", str(store), "--target", cfg["target"],
-               "--max-len", str(cfg["max_len"]), "--dtype", "bf16")
-    return store
+def fixed_val_stores(args, cfg: dict, upto: int) -> dict[str, Path]:
+    """Features of the fixed validation sets of chunks up to ``upto`` (rebuilt from their committed records where
+    lost; a set is first taken when the recipe reaches its chunk, so that nothing is built ahead of the schedule)."""
+    stores = {}
+    for kind, chunk in fixed_sets(cfg).items():
+        records = fixed_records_file(args, kind)
+        if chunk > upto and not records.is_file():
+            continue
+        if not records.is_file():
+            atomic_write_text(records, held_out_records(args, cfg, chunk))
+        stores[kind] = Path(args.work) / f"fixed-val-{kind}"
+        if not (stores[kind] / MANIFEST).is_file():
+            python("training.build_features", "--data", str(records), "--out", str(stores[kind]), "--target",
+                   cfg["target"], "--max-len", str(cfg["max_len"]), "--dtype", "bf16")
+    return stores
 
 
-def fixed_val(run: Path, head: Head, steps: int, store: Path) -> list[dict]:
-    """Per pass top-1 and kept of the head in ``run`` on the fixed validation set (scored once, kept in the run)."""
-    report = run / "fixed-val.json"
-    if not report.is_file():
-        python("training.evaluate", str(run), "--features", str(store), "--steps", str(steps), "--topk",
-               str(head.topk), "--mixed-precision", "bf16", "--out", str(report))
-    return [{k: p[k] for k in ("pass", "top1", "kept")} for p in json.loads(report.read_text())["passes"]]
+def fixed_val(run: Path, head: Head, steps: int, stores: dict[str, Path]) -> dict[str, list[dict]]:
+    """Per fixed set, per pass top-1 and kept of the head in ``run`` (scored once, kept in the run folder)."""
+    scores = {}
+    for kind, store in stores.items():
+        report = run / f"fixed-val-{kind}.json"
+        if not report.is_file():
+            python("training.evaluate", str(run), "--features", str(store), "--steps", str(steps), "--topk",
+                   str(head.topk), "--mixed-precision", "bf16", "--out", str(report))
+        scores[kind] = [{k: p[k] for k in ("pass", "top1", "kept")} for p in json.loads(report.read_text())["passes"]]
+    return scores
 
 
-def backfill_fixed_val(args, state: dict, store: Path) -> int:
-    """Score the curve's earlier points on the fixed set where their runs are still on this machine; -> how many."""
+def backfill_fixed_val(args, state: dict, stores: dict[str, Path]) -> int:
+    """Score the curve's earlier points on the fixed sets where their runs are still on this machine; -> how many."""
     heads = {h.name: h for h in STAGE1 + HEADS}
     scored = 0
     for point in state["curve"]:
         run = Path(args.work) / "runs" / point["head"] / f"chunk-{point['chunk']:03d}"
-        if "fixed" not in point and (run / "model.safetensors").is_file():
-            point["fixed"] = fixed_val(run, heads[point["head"]], point["steps"], store)
+        if set(point.get("fixed", {})) != set(stores) and (run / "model.safetensors").is_file():
+            point["fixed"] = fixed_val(run, heads[point["head"]], point["steps"], stores)
             scored += 1
     return scored
 
@@ -357,7 +384,7 @@ def head_folder(args, name: str) -> Path:
     return Path(args.checkpoints) / f"wip-{name}"
 
 
-def export(args, state: dict, head: Head, chunk: int, run: Path, fixed: list[dict]) -> None:
+def export(args, state: dict, head: Head, chunk: int, run: Path, fixed: dict[str, list[dict]]) -> None:
     """The head after ``chunk`` -> --checkpoints/wip-<head> (fp16, card); its record in recipe.json."""
     dst = head_folder(args, head.name)
     history = state["heads"].get(head.name) or {"chunks": list(state["heads"][head.parent]["chunks"]) if head.parent
@@ -411,11 +438,12 @@ def progress_markdown(cfg: dict, state: dict) -> str:
 
     heads = markdown_table(["head", "chunks consumed", "of"], [[h.name, consumed_text(state, h), cfg["chunks"]]
                                                               for h in STAGE1 + HEADS])
-    curve = markdown_table(["head", "chunk", "K", "tokens seen", "fixed set: top-1 per pass", "kept per pass",
-                            "chunk's held-out: top-1 per pass", "kept per pass"],
+    kinds = list(fixed_sets(cfg))
+    curve = markdown_table(["head", "chunk", "K", "tokens seen"] + [f"fixed {k}: top-1 per pass" for k in kinds]
+                           + ["chunk's held-out: top-1 per pass", "kept per pass"],
                            [[r["head"], r["chunk"], r["steps"], f"{r['tokens_seen']:,}",
-                             *(" / ".join(figure(p[key], d) for p in r.get("fixed", [])) or "-"
-                               for key, d in (("top1", 3), ("kept", 2))),
+                             *(" / ".join(figure(p["top1"], 3) for p in r.get("fixed", {}).get(k, [])) or "-"
+                               for k in kinds),
                              " / ".join(figure(p["top1"], 3) for p in r["passes"]),
                              " / ".join(figure(p["kept"], 2) for p in r["passes"])] for r in state["curve"]])
     times = markdown_table(["chunk", "data", "stage", "tokens", "regenerate s", "features s", "training s per head"],
@@ -424,11 +452,18 @@ def progress_markdown(cfg: dict, state: dict) -> str:
                             for t in state["timings"]])
     return (f"# Heads in training (work in progress)\n\nWritten by `python -m training.recipe` after every chunk; "
             f"`recipe.json` holds the same and is what a rerun continues from. {plan_text(cfg, state)}\n\n"
-            f"{heads}\n## Learning curve\n\nValidation top-1 against training tokens seen. The fixed set is "
-            f"chunk 0's held-out ShareGPT conversations (`{FIXED_VAL}`; no head trains on them), the same for every "
-            "point, so it is the learning curve; each chunk's own held-out 5 % changes with the chunk's data "
-            f"(ShareGPT or the target's answers).\n\n{curve}\n"
+            f"{heads}\n## Learning curve\n\nValidation top-1 against training tokens seen. The fixed sets are the same "
+            "for every point, so they give the learning curve: `fixed sharegpt` is chunk 0's held-out ShareGPT "
+            "conversations, `fixed regen` chunk 1's held-out answers of the target (the text a head drafts at "
+            "inference); no head trains on either (their records: `fixed-val-*.jsonl`). Each chunk's own held-out "
+            f"5 % changes with the chunk's data.\n\n{curve}\n"
             f"## Time per chunk on this machine (one thread)\n\n{times}")
+
+
+def save_state(path: Path, cfg: dict, state: dict) -> None:
+    """recipe.json and the README beside it."""
+    atomic_write_json(path, state)
+    atomic_write_text(path.with_name("README.md"), progress_markdown(cfg, state))
 
 
 def plan_text(cfg: dict, state: dict) -> str:
@@ -450,10 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     print(plan_text(cfg, state))
     if args.plan:
         return 0
-    fixed_store = fixed_val_store(args, cfg)
-    if backfill_fixed_val(args, state, fixed_store):
-        atomic_write_json(path, state)
-        atomic_write_text(path.with_name("README.md"), progress_markdown(cfg, state))
+    if backfill_fixed_val(args, state, fixed_val_stores(args, cfg, max((p["chunk"] for p in state["curve"]),
+                                                                         default=-1))):
+        save_state(path, cfg, state)
     last_commit = 0.0  # the first head this run exports is committed at once, later ones at most every --commit-every
     stop = cfg["chunks"] if args.chunks is None else min(cfg["chunks"], args.chunks)
     for chunk in range(stop):
@@ -464,17 +498,19 @@ def main(argv: list[str] | None = None) -> int:
             continue
         timing: dict = {"chunk": chunk, "kind": chunk_source(cfg, chunk)[0], "stage": stage}
         store = build_chunk(args, cfg, chunk, timing)
+        fixed_stores = fixed_val_stores(args, cfg, chunk)
+        if backfill_fixed_val(args, state, fixed_stores):
+            save_state(path, cfg, state)
         timing |= {"tokens": json.loads((store / MANIFEST).read_text())["num_tokens"], "train_s": {}}
         for head in todo:
             t0 = time.time()
             run = train(args, cfg, state, head, chunk, store)
             timing["train_s"][head.name] = round(time.time() - t0)
-            export(args, state, head, chunk, run, fixed_val(run, head, head.steps[stage - 1], fixed_store))
+            export(args, state, head, chunk, run, fixed_val(run, head, head.steps[stage - 1], fixed_stores))
             last = head is todo[-1]
             if last:
                 state["timings"].append(timing)
-            atomic_write_json(path, state)
-            atomic_write_text(path.with_name("README.md"), progress_markdown(cfg, state))
+            save_state(path, cfg, state)
             stage_end = last and chunk + 1 in (cfg["stage_ends"][stage - 1], stop)
             if args.commit and (stage_end or time.time() - last_commit >= args.commit_every):
                 commit(args, f"recipe: {head.name} after chunk {chunk} (stage {stage}) of {cfg['chunks']}")
