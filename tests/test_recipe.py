@@ -108,6 +108,8 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     assert "Learning curve" in (ckpt / "README.md").read_text()
     assert [r["head"] for r in state["curve"]][:2] == ["griffin-s1", "eagle-s1"] and len(state["curve"]) == 11
     assert [t["kind"] for t in state["timings"]] == ["sharegpt", "regen", "sharegpt", "regen"]
+    assert [sorted(t["train_s"]) for t in state["timings"]] == [["eagle-s1", "griffin-s1"]] * 3 + [
+        sorted(h.name for h in recipe.HEADS)]
     # on the fresh machine the fixed set's features came from the committed records, and every point was scored
     assert [a[a.index("--data") + 1] for m, a in calls if m == "training.build_features" and "--shards" not in a
             and "fixed-val" in a[a.index("--out") + 1]] == [str(ckpt / f"fixed-val-{k}.jsonl") for k in

@@ -231,7 +231,8 @@ def regenerated(args, cfg: dict, chunk: int, shards: range) -> Path:
 
 
 def build_chunk(args, cfg: dict, chunk: int, timing: dict) -> Path:
-    """-> the chunk's feature store (built here unless it exists); adds the seconds of each step to ``timing``."""
+    """-> the chunk's feature store (built here unless it exists); adds the seconds of each step to ``timing``
+    (a chunk's row of ``recipe.json``'s timings, kept across runs, so that a step resumed by a later run adds to it)."""
     kind, shards = chunk_source(cfg, chunk)
     common = ["--target", cfg["target"], "--max-len", str(cfg["max_len"]), "--dtype", "bf16"]
     t0 = time.time()
@@ -239,10 +240,10 @@ def build_chunk(args, cfg: dict, chunk: int, timing: dict) -> Path:
         store = Path(args.work) / "regen-features" / f"chunk-{chunk:03d}"
         if not (store / MANIFEST).is_file():
             regen = regenerated(args, cfg, chunk, shards)
-            timing["regenerate_s"] = round(time.time() - t0)
+            timing["regenerate_s"] = timing.get("regenerate_s", 0) + round(time.time() - t0)
             t0 = time.time()
             python("training.build_features", "--data", str(regen), "--out", str(store), *common)
-            timing["features_s"] = round(time.time() - t0)
+            timing["features_s"] = timing.get("features_s", 0) + round(time.time() - t0)
         return store
     view = Path(args.work) / "chunks" / f"chunk-{chunk:03d}"  # links to the chunk's shards of the shared store
     if (view / MANIFEST).is_file():
@@ -250,7 +251,7 @@ def build_chunk(args, cfg: dict, chunk: int, timing: dict) -> Path:
     sharegpt = Path(args.sharegpt_store)
     python("training.build_features", "--data", cfg["data"], "--out", str(sharegpt), "--shards",
            f"{shards.start}:{shards.stop}", "--shard-size", str(cfg["shard_records"]), *common)
-    timing["features_s"] = round(time.time() - t0)
+    timing["features_s"] = timing.get("features_s", 0) + round(time.time() - t0)
     tmp = view.with_name(view.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -339,16 +340,29 @@ def fixed_val(run: Path, head: Head, steps: int, stores: dict[str, Path]) -> dic
     return scores
 
 
-def backfill_fixed_val(args, state: dict, stores: dict[str, Path]) -> int:
-    """Score the curve's earlier points on the fixed sets where their runs are still on this machine; -> how many."""
+def chunk_timing(state: dict, cfg: dict, chunk: int) -> dict:
+    """The chunk's row of ``state["timings"]``, added (in chunk order) when the recipe first reaches the chunk."""
+    for row in state["timings"]:
+        if row["chunk"] == chunk:
+            return row
+    row = {"chunk": chunk, "kind": chunk_source(cfg, chunk)[0], "stage": stage_of(cfg, chunk), "train_s": {}}
+    state["timings"] = sorted(state["timings"] + [row], key=lambda r: r["chunk"])
+    return row
+
+
+def train_seconds(run: Path) -> int:
+    """Seconds the run spent in its updates (its validation report; summed over resumes, without loading and
+    validation)."""
+    return round(json.loads((run / "validation.json").read_text())["epochs"][-1]["train_seconds"])
+
+
+def backfill_fixed_val(args, state: dict, stores: dict[str, Path]) -> None:
+    """Score the curve's earlier points on the fixed sets where their runs are still on this machine."""
     heads = {h.name: h for h in STAGE1 + HEADS}
-    scored = 0
     for point in state["curve"]:
         run = Path(args.work) / "runs" / point["head"] / f"chunk-{point['chunk']:03d}"
         if set(point.get("fixed", {})) != set(stores) and (run / "model.safetensors").is_file():
             point["fixed"] = fixed_val(run, heads[point["head"]], point["steps"], stores)
-            scored += 1
-    return scored
 
 
 # --- training and export --------------------------------------------------------------------------------------------
@@ -446,8 +460,10 @@ def progress_markdown(cfg: dict, state: dict) -> str:
                                for k in kinds),
                              " / ".join(figure(p["top1"], 3) for p in r["passes"]),
                              " / ".join(figure(p["kept"], 2) for p in r["passes"])] for r in state["curve"]])
-    times = markdown_table(["chunk", "data", "stage", "tokens", "regenerate s", "features s", "training s per head"],
-                           [[t["chunk"], t["kind"], t["stage"], f"{t['tokens']:,}", t.get("regenerate_s", "-"),
+    times = markdown_table(["chunk", "data", "stage", "tokens", "regenerate s", "features s",
+                            "training s per head (updates)"],
+                           [[t["chunk"], t["kind"], t["stage"], f"{t['tokens']:,}" if "tokens" in t else "-",
+                             t.get("regenerate_s", "-"),
                              t.get("features_s", "-"), ", ".join(f"{k} {v}" for k, v in t["train_s"].items())]
                             for t in state["timings"]])
     return (f"# Heads in training (work in progress)\n\nWritten by `python -m training.recipe` after every chunk; "
@@ -485,9 +501,12 @@ def main(argv: list[str] | None = None) -> int:
     print(plan_text(cfg, state))
     if args.plan:
         return 0
-    if backfill_fixed_val(args, state, fixed_val_stores(args, cfg, max((p["chunk"] for p in state["curve"]),
-                                                                         default=-1))):
-        save_state(path, cfg, state)
+    backfill_fixed_val(args, state, fixed_val_stores(args, cfg, max((p["chunk"] for p in state["curve"]), default=-1)))
+    for point in state["curve"]:  # training seconds from the runs' reports where they are on this machine
+        run = Path(args.work) / "runs" / point["head"] / f"chunk-{point['chunk']:03d}"
+        if (run / "validation.json").is_file():
+            chunk_timing(state, cfg, point["chunk"])["train_s"][point["head"]] = train_seconds(run)
+    save_state(path, cfg, state)
     last_commit = 0.0  # the first head this run exports is committed at once, later ones at most every --commit-every
     stop = cfg["chunks"] if args.chunks is None else min(cfg["chunks"], args.chunks)
     for chunk in range(stop):
@@ -496,20 +515,17 @@ def main(argv: list[str] | None = None) -> int:
                 if chunks_done(state, h) == chunk and (not args.heads or h.name in args.heads)]
         if not todo:
             continue
-        timing: dict = {"chunk": chunk, "kind": chunk_source(cfg, chunk)[0], "stage": stage}
+        timing = chunk_timing(state, cfg, chunk)
         store = build_chunk(args, cfg, chunk, timing)
+        timing["tokens"] = json.loads((store / MANIFEST).read_text())["num_tokens"]
         fixed_stores = fixed_val_stores(args, cfg, chunk)
-        if backfill_fixed_val(args, state, fixed_stores):
-            save_state(path, cfg, state)
-        timing |= {"tokens": json.loads((store / MANIFEST).read_text())["num_tokens"], "train_s": {}}
+        backfill_fixed_val(args, state, fixed_stores)
+        save_state(path, cfg, state)
         for head in todo:
-            t0 = time.time()
             run = train(args, cfg, state, head, chunk, store)
-            timing["train_s"][head.name] = round(time.time() - t0)
+            timing["train_s"][head.name] = train_seconds(run)
             export(args, state, head, chunk, run, fixed_val(run, head, head.steps[stage - 1], fixed_stores))
             last = head is todo[-1]
-            if last:
-                state["timings"].append(timing)
             save_state(path, cfg, state)
             stage_end = last and chunk + 1 in (cfg["stage_ends"][stage - 1], stop)
             if args.commit and (stage_end or time.time() - last_commit >= args.commit_every):
