@@ -269,18 +269,12 @@ class Trainer:
 
     # --- loop --------------------------------------------------------------------------------------------------------
 
-    def batch_vocab(self, batch, reduce: bool) -> torch.Tensor | None:
-        """The static draft vocabulary plus every token of the (global) batch, when the head uses context tokens."""
-        member = batch_members(self.draft, batch)
-        if member is None:
-            return None
-        if reduce:
-            member = self.acc.reduce(member, reduction="sum")
-        return member.nonzero().squeeze(1)
-
-    def run_batch(self, indices: list[int], training: bool, generator: torch.Generator | None = None):
+    def run_batch(self, indices: list[int], generator: torch.Generator) -> tuple[dict, int]:
+        """One training forward. The head may propose its static draft vocabulary plus every token of the global
+        batch (when it uses context tokens), so that every process computes the same columns."""
         batch = make_batch([self.store[i] for i in indices], self.max_len).to(self.acc.device)
-        vocab = self.batch_vocab(batch, reduce=training)
+        member = batch_members(self.draft, batch)
+        vocab = None if member is None else self.acc.reduce(member, reduction="sum").nonzero().squeeze(1)
         with self.acc.autocast():
             out = self.objective(batch, vocab, generator)
         return out, batch.num_tokens
@@ -301,7 +295,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 mine = batches[step][rank * args.batch_size : (rank + 1) * args.batch_size]
                 generator.manual_seed(args.seed * 1_000_003 + self.progress["updates"] * world + rank)
-                out, tokens = self.run_batch(mine, True, generator)
+                out, tokens = self.run_batch(mine, generator)
                 counts = acc.reduce(out["counts"].detach(), reduction="sum")
                 loss = (out["loss_sums"] / counts.clamp(min=1)).mean() * world
                 acc.backward(loss)
