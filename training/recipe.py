@@ -215,9 +215,13 @@ def chunk_source(cfg: dict, chunk: int) -> tuple[str, range]:
     return ("sharegpt", "regen")[kind], range(first, min(first + cfg["chunk_shards"], cfg["shards"]))
 
 
+def regen_file(args, chunk: int) -> Path:
+    return Path(args.work) / "regen-chunks" / f"chunk-{chunk:03d}.jsonl"
+
+
 def regenerated(args, cfg: dict, chunk: int, shards: range) -> Path:
     """The target's answers to the first turns of the group's first ``regen_records`` records, as one JSONL file."""
-    merged = Path(args.work) / "regen-chunks" / f"chunk-{chunk:03d}.jsonl"
+    merged = regen_file(args, chunk)
     if not merged.is_file():
         parts = min(math.ceil(cfg["regen_records"] / cfg["shard_records"]), len(shards))
         out = Path(args.work) / "regen"
@@ -239,8 +243,10 @@ def build_chunk(args, cfg: dict, chunk: int, timing: dict) -> Path:
     if kind == "regen":
         store = Path(args.work) / "regen-features" / f"chunk-{chunk:03d}"
         if not (store / MANIFEST).is_file():
+            answered = regen_file(args, chunk).is_file()
             regen = regenerated(args, cfg, chunk, shards)
-            timing["regenerate_s"] = timing.get("regenerate_s", 0) + round(time.time() - t0)
+            if not answered:
+                timing["regenerate_s"] = timing.get("regenerate_s", 0) + round(time.time() - t0)
             t0 = time.time()
             python("training.build_features", "--data", str(regen), "--out", str(store), *common)
             timing["features_s"] = timing.get("features_s", 0) + round(time.time() - t0)
