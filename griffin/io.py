@@ -44,6 +44,32 @@ def atomic_write_json(dest: str | os.PathLike, data: Any) -> None:
     atomic_write_text(dest, json.dumps(data, indent=2, default=str) + "\n")
 
 
+def read_journal(path: str | os.PathLike, settings: Any) -> tuple[list[Any], bool]:
+    """The records of a JSON-lines journal whose first line is ``settings`` -> (records, clean).
+
+    A missing file, one written with other settings, or one whose first line was cut gives no records. Reading stops
+    at a line cut by a kill. ``clean`` is False when the file holds more than the header and the records returned, or
+    lacks its final newline: rewrite it (header + records) before appending to it."""
+    path = Path(path)
+    if not path.is_file():
+        return [], True
+    text = path.read_text()
+    lines = text.splitlines()
+    try:
+        header = json.loads(lines[0]) if lines else None
+    except json.JSONDecodeError:
+        header = None
+    if header != settings:
+        return [], False
+    records = []
+    for line in lines[1:]:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records, len(records) == len(lines) - 1 and text.endswith("\n")
+
+
 def read_json(path: str | os.PathLike, what: str = "file") -> Any:
     """Parse a JSON file; invalid JSON raises ValueError naming the file and the place."""
     path = Path(path)

@@ -73,7 +73,7 @@ from tqdm.auto import tqdm
 
 from griffin import SpecGenerator
 from griffin.chat import prompt_ids
-from griffin.io import atomic_write_json, atomic_write_text
+from griffin.io import atomic_write_json, atomic_write_text, read_journal
 from griffin.kernels import default_one_row
 from griffin.plain import plain_generate
 from griffin.sampling import SamplingConfig
@@ -227,24 +227,13 @@ def answers_jsonl(records: list[dict], questions: list[dict], tok, model_id: str
 def load_partial(path: Path, settings: dict, questions: list[dict]) -> list[dict]:
     """Records of the questions an interrupted run with the same settings finished (all their turns); the file is
     rewritten to hold just those, so a line or a turn cut by a kill is measured again rather than kept."""
-    if not path.is_file():
-        return []
-    lines = path.read_text().splitlines()
-    if not lines or json.loads(lines[0]) != settings:
-        path.unlink()
-        return []
-    records = []
-    for line in lines[1:]:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a kill
-            break
+    records, clean = read_journal(path, settings)
     turns = {q["question_id"]: len(q["turns"]) for q in questions}
     counts: dict = {}
     for r in records:
         counts[r["question_id"]] = counts.get(r["question_id"], 0) + 1
     kept = [r for r in records if counts[r["question_id"]] == turns.get(r["question_id"])]
-    if len(kept) < len(lines) - 1:
+    if kept and (not clean or len(kept) < len(records)):
         atomic_write_text(path, "".join(json.dumps(x) + "\n" for x in [settings, *kept]))
     return kept
 

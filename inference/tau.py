@@ -126,7 +126,7 @@ from griffin.chat import prompt_ids
 from griffin.drafters import HeadDrafter
 from griffin.family import verification_mask
 from griffin.generator import default_head, fast_draft_dtype
-from griffin.io import atomic_write_text
+from griffin.io import atomic_write_text, read_journal
 from griffin.kernels import WeightMajorLinears, default_max_rows
 from griffin.kv_cache import BufferCache
 from griffin.plain import plain_generate
@@ -606,21 +606,14 @@ class Journal:
     def __init__(self, path: Path, settings: dict):
         self.path, self.done = path, {}
         settings = json.loads(json.dumps(settings))
-        lines = path.read_text().splitlines() if path.is_file() else []
-        kept = 0
-        if lines and json.loads(lines[0]) == settings:
-            for line in lines[1:]:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:  # a line cut by a kill: later appends must not follow it
-                    break
-                self.done[tuple(record["key"])] = record["value"]
-                kept += 1
+        records, clean = read_journal(path, settings)
+        for record in records:
+            self.done[tuple(record["key"])] = record["value"]
         path.parent.mkdir(parents=True, exist_ok=True)
-        if not self.done:
+        if not records:
             path.write_text(json.dumps(settings) + "\n")
-        elif kept < len(lines) - 1:
-            atomic_write_text(path, "\n".join(lines[: kept + 1]) + "\n")
+        elif not clean:  # a line cut by a kill: later appends must not follow it
+            atomic_write_text(path, "".join(json.dumps(x) + "\n" for x in [settings, *records]))
         self.handle = open(path, "a")
 
     def add(self, key: tuple, value: dict) -> None:

@@ -139,7 +139,12 @@ def test_resume_keeps_only_questions_with_every_turn(tmp_path):
                     + '{"question_id": 82, "tu')
     assert load_partial(path, settings, questions) == done
     assert [json.loads(line) for line in path.read_text().splitlines()] == [settings, *done]
-    assert load_partial(path, {**settings, "seed": 1}, questions) == [] and not path.exists()
+    # a complete last record whose newline was not written: the next append must not join it
+    path.write_text("".join(json.dumps(x) + "\n" for x in [settings, *done]).rstrip("\n"))
+    assert load_partial(path, settings, questions) == done and path.read_text().endswith("\n")
+    assert load_partial(path, {**settings, "seed": 1}, questions) == []
+    path.write_text('{"bench": "mt_')  # a header cut by a kill
+    assert load_partial(path, settings, questions) == []
 
 
 def fake_result(bench: str, draft: str, temperature: float, tau: float) -> dict:

@@ -76,10 +76,12 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     scored = [point.pop("fixed") for point in state["curve"]]
     (ckpt / "recipe.json").write_text(json.dumps(state))
     (tmp_path / "work" / "runs" / "griffin-s1" / "chunk-000" / "fixed-val-sharegpt.json").unlink()
+    before = len(calls)
     assert recipe.main(argv + ["--chunks", "1"]) == 0
     backfilled = json.loads((ckpt / "recipe.json").read_text())["curve"]
     assert [p.get("fixed") for p in backfilled] == scored  # griffin-s1 scored again, eagle-s1 from its report
-    assert [m for m, _ in calls[-1:]] == ["training.evaluate"]
+    run = tmp_path / "work" / "runs" / "griffin-s1" / "chunk-000"
+    assert [(m, a[0]) for m, a in calls[before:]] == [("training.evaluate", str(run))]  # only the lost report
 
     for folder in machine.values():  # a fresh machine: only the committed folder is left
         shutil.rmtree(folder)

@@ -175,7 +175,13 @@ def test_journal_drops_a_cut_line_so_later_results_survive(tmp_path):
     assert list(journal.done) == [tuple(first["key"])]
     journal.add(("replay", "h", "0", 2, 0), {"tau": 3.0})
     journal.handle.close()
-    assert len(tau.Journal(path, settings).done) == 2
+    journal = tau.Journal(path, settings)
+    journal.handle.close()
+    assert len(journal.done) == 2
+    path.write_text('{"bench"')  # a header cut by a kill: started again
+    journal = tau.Journal(path, settings)
+    journal.handle.close()
+    assert journal.done == {} and json.loads(path.read_text()) == settings
 
 
 def test_cli_engine_check_resume_and_reference(tmp_path, tiny_target_dir, monkeypatch):

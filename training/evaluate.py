@@ -1,12 +1,13 @@
 """Score a trained head on a feature store, the way training validates it: top-1, top-k, kept and loss per pass.
 
-    python -m training.evaluate checkpoints/smollm2-135m-instruct-griffin --features work/val
-    python -m training.evaluate HEAD --features STORE --steps 3 --topk 3 --out HEAD/fixed-val.json
+    python -m training.evaluate checkpoints/smollm2-135m-instruct-griffin --features work/val --steps 3
+    python -m training.evaluate HEAD --features STORE --steps 1 --topk 3 --out HEAD/fixed-val.json
 
 Every conversation of the store is scored (training's own validation scores its held-out 5 % of the training store;
 this scores any store, e.g. one fixed set across the chunks of ``training.recipe``, so that heads trained on different
 data are compared on the same conversations). The head's own draft vocabulary is used; ``--steps`` passes are rolled
-out with the ``--topk`` alignment mask, as in training.
+out with the ``--topk`` alignment mask, as in training. Top-1, top-k and kept are the accuracy figures; the loss is
+the default training loss (soft cross-entropy, token weight 0.1), comparable only between heads scored alike.
 """
 
 from __future__ import annotations

@@ -36,10 +36,11 @@ from its committed head (``--init-from``) with the next chunk it has not consume
 those chunks. Work inside a chunk (regeneration parts, feature shards, training state every 50 updates) resumes on
 the same machine.
 
-**Learning curve.** Every head is scored after every chunk (``training.evaluate``) on fixed validation sets that no
-head trains on: chunk 0's held-out ShareGPT conversations and chunk 1's held-out answers of the target, taken when the
-recipe first reaches those chunks and committed as records (``fixed-val-*.jsonl``) beside the heads, so that a fresh
-machine rebuilds their features in a minute. Each chunk's own held-out 5 % is reported too, but changes with the data.
+**Learning curve.** Every head is scored after every chunk (``training.evaluate``) on fixed validation sets: chunk 0's
+held-out ShareGPT conversations and chunk 1's held-out answers of the target, taken when the recipe first reaches
+those chunks and committed as records (``fixed-val-*.jsonl``) beside the heads, so that a fresh machine rebuilds their
+features in a minute. No head trains on these conversations (a first turn of one may reach training with the other
+kind of answer). Each chunk's own held-out 5 % is reported too, but changes with the data.
 
 **Time here** (2 CPU cores shared with other work, one thread): the rates of each step are in
 ``benchmarks/results/pipeline-throughput.md``; the seconds each chunk's steps took are in ``recipe.json``
@@ -283,8 +284,9 @@ def fixed_records_file(args, kind: str) -> Path:
 
 
 def held_out_records(args, cfg: dict, chunk: int) -> str:
-    """The records of ``chunk``'s held-out conversations (training's validation split, so no head trains on them), as
-    JSONL: found by tokenizing the chunk's records the way build_features did and matching the stored ids."""
+    """The records of ``chunk``'s held-out conversations (training's validation split: no head trains on these
+    conversations, though the first turn of one may reach training with the other kind of answer, the target's or
+    ShareGPT's), as JSONL: found by tokenizing the chunk's records as build_features did and matching the stored ids."""
     from transformers import AutoTokenizer
 
     from griffin.chat import tokenize_conversation
@@ -303,6 +305,7 @@ def held_out_records(args, cfg: dict, chunk: int) -> str:
         first = shards.start * cfg["shard_records"]
         records = itertools.islice(iter_records(cfg["data"]), first, shards.stop * cfg["shard_records"])
     tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(cfg["target"]))
+    tokenizer.chat_template = store.manifest.get("chat_template") or tokenizer.chat_template  # as built
     lines = []
     for record in records:
         try:
@@ -367,8 +370,9 @@ def backfill_fixed_val(args, state: dict, stores: dict[str, Path]) -> None:
     heads = {h.name: h for h in STAGE1 + HEADS}
     for point in state["curve"]:
         run = Path(args.work) / "runs" / point["head"] / f"chunk-{point['chunk']:03d}"
-        if set(point.get("fixed", {})) != set(stores) and (run / "model.safetensors").is_file():
-            point["fixed"] = fixed_val(run, heads[point["head"]], point["steps"], stores)
+        missing = {kind: store for kind, store in stores.items() if kind not in point.get("fixed", {})}
+        if missing and (run / "model.safetensors").is_file():
+            point["fixed"] = point.get("fixed", {}) | fixed_val(run, heads[point["head"]], point["steps"], missing)
 
 
 # --- training and export --------------------------------------------------------------------------------------------
@@ -477,8 +481,9 @@ def progress_markdown(cfg: dict, state: dict) -> str:
             f"{heads}\n## Learning curve\n\nValidation top-1 against training tokens seen. The fixed sets are the same "
             "for every point, so they give the learning curve: `fixed sharegpt` is chunk 0's held-out ShareGPT "
             "conversations, `fixed regen` chunk 1's held-out answers of the target (the text a head drafts at "
-            "inference); no head trains on either (their records: `fixed-val-*.jsonl`). Each chunk's own held-out "
-            f"5 % changes with the chunk's data.\n\n{curve}\n"
+            "inference); no head trains on these conversations, though a first turn of one may reach training with "
+            "the other kind of answer (their records: `fixed-val-*.jsonl`). Each chunk's own held-out 5 % changes "
+            f"with the chunk's data.\n\n{curve}\n"
             f"## Time per chunk on this machine (one thread)\n\n{times}")
 
 
