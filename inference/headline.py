@@ -22,6 +22,13 @@ from .report import fastest_plain, markdown_table, result_stem, tree_text
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 
+def peer_text(r: dict) -> str:
+    """Prompt lookup's speedup over ``generate`` as a ratio of tokens/s (older runs stored only a ratio of times)."""
+    if "prompt_lookup_tokens_per_s" in r and "baseline_tokens_per_s" in r:
+        return f"{r['prompt_lookup_tokens_per_s'] / r['baseline_tokens_per_s']:.2f}x"
+    return f"{r['peers']['prompt_lookup']:.2f}x" if "peers" in r else "-"
+
+
 def section(results_dir: Path, head: str) -> str:
     rows = []
     commands = []
@@ -41,7 +48,7 @@ def section(results_dir: Path, head: str) -> str:
                              tree_text(r["tree"]), r["tau"], f"**{best[0]:.2f}x** ({best[1]})" if best else "-",
                              f"{r['tokens_per_s'] / r['baseline_tokens_per_s']:.2f}x" if "baseline_tokens_per_s" in r
                              else "-", f"{r['tokens_per_s']:.1f}", *plain,
-                             f"{r['peers']['prompt_lookup']:.2f}x" if "peers" in r else "-",
+                             peer_text(r),
                              r.get("identical_fraction", "-"), f"[json]({path.as_posix()})"])
                 commands.append(r["command"])
                 machine = r["machine"]

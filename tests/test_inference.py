@@ -151,6 +151,7 @@ def fake_result(bench: str, draft: str, temperature: float, tau: float) -> dict:
     return {"bench": bench, "target": "smollm2-135m-instruct", "draft": draft, "temperature": temperature,
             "max_new_tokens": 128, "n_prompts": 80, "tau": tau, "tokens_per_s": 30.0, "speedup": 2.0,
             "baseline_tokens_per_s": 15.0, "own_loop_tokens_per_s": 20.0, "peers": {"prompt_lookup": 1.1},
+            "prompt_lookup_tokens_per_s": 18.0,
             "identical_fraction": 1.0,
             "tree": {"depth": 5, "top_k": 8, "total_tokens": 24}, "command": f"python -m inference.speed {bench}",
             "machine": {"cpu": "cpu", "cores": 2, "torch": "2.13", "date": "today", "torch_threads": 1},
@@ -180,6 +181,7 @@ def test_ablation_report_and_readme_section(tmp_path):
     text = readme.read_text()
     assert "old" not in text and text.endswith("rest\n")
     assert "| mt_bench | 0.00 | fp32 | 1 | 80 | 128 | 24 nodes, depth 5 | 3.50 | **1.50x** (own loop) | 2.00x |" in text
+    assert "| 20.0 (linear) | 1.20x | 1.00 |" in text  # prompt lookup: a ratio of tokens/s (18 / 15), not of times
     from inference.report import result_stem
 
     assert result_stem("gsm8k", "h", 0.0, "fp32") == "gsm8k-h-T0" and result_stem("gsm8k", "h", 1.0, "bf16") == \
