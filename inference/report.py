@@ -44,7 +44,8 @@ def command_line(module: str, argv: list[str] | None = None) -> str:
 
 def tree_text(tree: dict) -> str:
     """A speed run's tree settings, as tables show them."""
-    return f"{tree['total_tokens']} nodes, depth {tree['depth']}"
+    n = tree["total_tokens"]
+    return f"{n} node{'' if n == 1 else 's'}, depth {tree['depth']}"
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:
