@@ -119,25 +119,17 @@ def validate_init(args) -> list[dict]:
 
     from griffin.draft import DraftModel
     from griffin.target import load_target_head
-    from training.objective import MultiPassObjective, batch_members, make_batch
+    from training.objective import MultiPassObjective, pass_report, score_store
     from training.store import FeatureStore
-    from training.train import split
+    from training.train import VAL_FRACTION, split
 
     store = FeatureStore(args.features)
-    _, val = split(len(store), 0.05)
+    _, val = split(len(store), VAL_FRACTION)
     draft = DraftModel.from_pretrained(args.init).attach(load_target_head(store.manifest["target"]))
     objective = MultiPassObjective(draft, 3, 3).eval()
-    totals = torch.zeros(3, 3)
-    for i in range(0, len(val), args.batch_size):
-        batch = make_batch([store[j] for j in val[i : i + args.batch_size]], store.manifest["max_len"])
-        member = batch_members(draft, batch)
-        vocab = None if member is None else member.nonzero().squeeze(1)
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            out = objective(batch, vocab)
-        totals += torch.stack([out["kept"], out["top1"], out["topk"]]).float()
-    kept, top1, top3 = totals.tolist()
-    return [{"pass": k + 1, "top1": top1[k] / max(kept[k], 1), "top3": top3[k] / max(kept[k], 1),
-             "kept": kept[k] / max(kept[0], 1), "positions": int(kept[k])} for k in range(3)]
+    totals = score_store(objective, store, val, args.batch_size, store.manifest["max_len"], torch.device("cpu"),
+                         lambda: torch.autocast("cpu", dtype=torch.bfloat16), progress=False)
+    return pass_report(totals, objective.report_k)
 
 
 def evaluate_missing(args, argv: list[str] | None) -> None:

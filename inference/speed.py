@@ -23,6 +23,7 @@ import json
 import sys
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 from griffin.constants import EMBEDDED_TARGET
@@ -229,9 +230,7 @@ def load_partial(path: Path, settings: dict, questions: list[dict]) -> list[dict
     rewritten to hold just those, so a line or a turn cut by a kill is measured again rather than kept."""
     records, clean = read_journal(path, settings)
     turns = {q["question_id"]: len(q["turns"]) for q in questions}
-    counts: dict = {}
-    for r in records:
-        counts[r["question_id"]] = counts.get(r["question_id"], 0) + 1
+    counts = Counter(r["question_id"] for r in records)
     kept = [r for r in records if counts[r["question_id"]] == turns.get(r["question_id"])]
     if kept and (not clean or len(kept) < len(records)):
         atomic_write_text(path, "".join(json.dumps(x) + "\n" for x in [settings, *kept]))

@@ -216,6 +216,11 @@ def chunk_source(cfg: dict, chunk: int) -> tuple[str, range]:
     return ("sharegpt", "regen")[kind], range(first, min(first + cfg["chunk_shards"], cfg["shards"]))
 
 
+def run_folder(args, head: str, chunk: int) -> Path:
+    """Where ``head``'s training on ``chunk`` runs (on this machine only)."""
+    return Path(args.work) / "runs" / head / f"chunk-{chunk:03d}"
+
+
 def regen_file(args, chunk: int) -> Path:
     return Path(args.work) / "regen-chunks" / f"chunk-{chunk:03d}.jsonl"
 
@@ -276,7 +281,7 @@ def build_chunk(args, cfg: dict, chunk: int, timing: dict) -> Path:
 def fixed_sets(cfg: dict) -> dict[str, int]:
     """The fixed validation sets -> the chunk whose held-out conversations they are: ShareGPT's (chunk 0) and, with
     regeneration, the target's own answers (chunk 1), the text a head drafts at inference."""
-    return {"sharegpt": 0, "regen": 1} if cfg["regen_records"] and cfg["chunks"] > 1 else {"sharegpt": 0}
+    return {"sharegpt": 0, "regen": 1} if cfg["regen_records"] else {"sharegpt": 0}
 
 
 def fixed_records_file(args, kind: str) -> Path:
@@ -369,7 +374,7 @@ def backfill_fixed_val(args, state: dict, stores: dict[str, Path]) -> None:
     """Score the curve's earlier points on the fixed sets where their runs are still on this machine."""
     heads = {h.name: h for h in STAGE1 + HEADS}
     for point in state["curve"]:
-        run = Path(args.work) / "runs" / point["head"] / f"chunk-{point['chunk']:03d}"
+        run = run_folder(args, point["head"], point["chunk"])
         missing = {kind: store for kind, store in stores.items() if kind not in point.get("fixed", {})}
         if missing and (run / "model.safetensors").is_file():
             point["fixed"] = point.get("fixed", {}) | fixed_val(run, heads[point["head"]], point["steps"], missing)
@@ -381,13 +386,13 @@ def backfill_fixed_val(args, state: dict, stores: dict[str, Path]) -> None:
 def train(args, cfg: dict, state: dict, head: Head, chunk: int, store: Path) -> Path:
     """Train ``head`` on one chunk, from its head after the previous chunk (local run, else the committed head)."""
     stage = stage_of(cfg, chunk)
-    run = Path(args.work) / "runs" / head.name / f"chunk-{chunk:03d}"
+    run = run_folder(args, head.name, chunk)
     if (run / "validation.json").is_file() and (run / "model.safetensors").is_file():
         return run
     init = None
     if chunk > 0:
         source = head.name if head.name in state["heads"] else head.parent
-        local = Path(args.work) / "runs" / source / f"chunk-{chunk - 1:03d}"
+        local = run_folder(args, source, chunk - 1)
         init = local if (local / "model.safetensors").is_file() and (local / "validation.json").is_file() else \
             head_folder(args, source)
     index = chunk - (cfg["stage_ends"][stage - 2] if stage > 1 else 0)
@@ -514,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     backfill_fixed_val(args, state, fixed_val_stores(args, cfg, max((p["chunk"] for p in state["curve"]), default=-1)))
     for point in state["curve"]:  # training seconds from the runs' reports where they are on this machine
-        run = Path(args.work) / "runs" / point["head"] / f"chunk-{point['chunk']:03d}"
+        run = run_folder(args, point["head"], point["chunk"])
         if (run / "validation.json").is_file():
             chunk_timing(state, cfg, point["chunk"])["train_s"][point["head"]] = train_seconds(run)
     save_state(path, cfg, state)
