@@ -2,8 +2,9 @@
 
     python -m inference.headline
 
-Reads ``benchmarks/results/<bench>-<head>-T<temp>[-bf16].json`` for the shipped default head and ``ablation.md``, and
-rewrites the text between ``<!-- results:start -->`` and ``<!-- results:end -->`` in README.md.
+Reads ``benchmarks/results/<bench>-<head>[-lookup<K>]-T<temp>[-bf16].json`` for the shipped default head (runs with
+``--lookup K`` add a prompt-lookup chain to its tree) and ``ablation.md``, and rewrites the text between
+``<!-- results:start -->`` and ``<!-- results:end -->`` in README.md.
 """
 
 from __future__ import annotations
@@ -29,29 +30,36 @@ def peer_text(r: dict) -> str:
     return f"{r['peers']['prompt_lookup']:.2f}x" if "peers" in r else "-"
 
 
+def tags(results_dir: Path, head: str) -> list[str]:
+    """The head's name, then ``<head>-lookup<K>`` for every K with a speed run, smallest first."""
+    found = {int(p.name.split(f"{head}-lookup", 1)[1].split("-", 1)[0])
+             for p in results_dir.glob(f"*-{head}-lookup*-T*.json")}
+    return [head] + [f"{head}-lookup{k}" for k in sorted(found)]
+
+
 def section(results_dir: Path, head: str) -> str:
     rows = []
     commands = []
-    for dtype in ("fp32", "bf16"):
-        for temperature in (0, 1):
-            for bench in BENCHES:
-                path = results_dir / f"{result_stem(bench, head, temperature, dtype)}.json"
-                if not path.is_file():
-                    continue
-                r = json.loads(path.read_text())
-                best = fastest_plain(r)
-                plain = [f"{r['baseline_tokens_per_s']:.1f}" if "baseline_tokens_per_s" in r else "-",
-                         f"{r['own_loop_tokens_per_s']:.1f} ({r.get('own_loop_one_row', 'linear')})"
-                         if "own_loop_tokens_per_s" in r else "-"]
-                rows.append([bench, r["temperature"], r.get("dtype", dtype), r["machine"].get("torch_threads", "-"),
-                             r["n_prompts"], r["max_new_tokens"],
-                             tree_text(r["tree"]), r["tau"], f"**{best[0]:.2f}x** ({best[1]})" if best else "-",
-                             f"{r['tokens_per_s'] / r['baseline_tokens_per_s']:.2f}x" if "baseline_tokens_per_s" in r
-                             else "-", f"{r['tokens_per_s']:.1f}", *plain,
-                             peer_text(r),
-                             r.get("identical_fraction", "-"), f"[json]({path.as_posix()})"])
-                commands.append(r["command"])
-                machine = r["machine"]
+    runs = [(tag, dtype, temperature, bench) for dtype in ("fp32", "bf16") for temperature in (0, 1)
+            for tag in tags(results_dir, head) for bench in BENCHES]
+    for tag, dtype, temperature, bench in runs:
+        path = results_dir / f"{result_stem(bench, tag, temperature, dtype)}.json"
+        if not path.is_file():
+            continue
+        r = json.loads(path.read_text())
+        best = fastest_plain(r)
+        plain = [f"{r['baseline_tokens_per_s']:.1f}" if "baseline_tokens_per_s" in r else "-",
+                 f"{r['own_loop_tokens_per_s']:.1f} ({r.get('own_loop_one_row', 'linear')})"
+                 if "own_loop_tokens_per_s" in r else "-"]
+        rows.append([bench, r["temperature"], r.get("dtype", dtype), r["machine"].get("torch_threads", "-"),
+                     r["n_prompts"], r["max_new_tokens"],
+                     tree_text(r["tree"]), r["tau"], f"**{best[0]:.2f}x** ({best[1]})" if best else "-",
+                     f"{r['tokens_per_s'] / r['baseline_tokens_per_s']:.2f}x" if "baseline_tokens_per_s" in r
+                     else "-", f"{r['tokens_per_s']:.1f}", *plain,
+                     peer_text(r),
+                     r.get("identical_fraction", "-"), f"[json]({path.as_posix()})"])
+        commands.append(r["command"])
+        machine = r["machine"]
     if not rows:
         return "No headline speed runs yet.\n\n" + costs(results_dir)
     text = (f"Head `checkpoints/{head}`, one process per run, every method timed side by side after a warm-up, the "

@@ -45,7 +45,8 @@ def command_line(module: str, argv: list[str] | None = None) -> str:
 def tree_text(tree: dict) -> str:
     """A speed run's tree settings, as tables show them."""
     n = tree["total_tokens"]
-    return f"{n} node{'' if n == 1 else 's'}, depth {tree['depth']}"
+    lookup = f" + lookup {tree['lookup']}" if tree.get("lookup") else ""
+    return f"{n} node{'' if n == 1 else 's'}, depth {tree['depth']}{lookup}"
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:

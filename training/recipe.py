@@ -26,9 +26,10 @@ So the token-alignable stages get half the data (by default a quarter each for K
 heads see exactly the same data and number of updates. The peak learning rate of chunk i of a stage is
 ``LR[stage] * 0.85**i`` (a cosine schedule with warm-up inside each chunk; AdamW starts afresh per chunk), times
 ``REGEN_LR`` (0.3) for a chunk of the target's answers (about 120 updates): at 0.3 of the rate such a chunk raised
-top-1 on the target's answers 2.4 times as much and lowered it on ShareGPT less than half as much
-(``benchmarks/results/recipe-regen-lr.md``). The schedule is not part of the settings a rerun must share (chunks 1, 3
-and 5 were trained at the full rate); every point of the learning curve records the peak rate of its chunk.
+top-1 on the target's answers 2.4 times as much and lowered it on ShareGPT less than half as much, while on a
+ShareGPT chunk the full rate did slightly better (``benchmarks/results/recipe-regen-lr.md``). The schedule is not
+part of the settings a rerun must share (chunks 1, 3 and 5 were trained at the full rate); every point of the
+learning curve records the peak rate of its chunk.
 
 **What survives.** After a head finishes a chunk it is exported (fp16 safetensors, model card with one training row
 per chunk, validation reports) to ``--checkpoints/wip-<head>`` (``checkpoints/smollm2-135m-instruct-wip``), and
