@@ -24,8 +24,9 @@ A drafter is any object with:
   :func:`griffin.verify.default_verifier`, greedy or the fixed-token tree rule). A draft LM that samples a chain
   returns the p/q chain rule there (see :mod:`griffin.verify`).
 
-:class:`HeadDrafter` drafts with a trained head (EAGLE-2 dynamic tree). :class:`OracleDrafter` knows the answer in
-advance and measures the engine's ceiling.
+:class:`HeadDrafter` drafts with a trained head (EAGLE-2 dynamic tree). :class:`PromptLookup` adds to another
+drafter's tree a chain copied from the context (prompt lookup), for text that repeats what came before.
+:class:`OracleDrafter` knows the answer in advance and measures the engine's ceiling.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import torch
 
 from .draft import DraftModel, DraftOutput
 from .kv_cache import DraftCache
-from .tree import Tree, build_tree, chain, draft_tree
+from .tree import Tree, build_tree, chain, draft_tree, graft
+from .verify import default_verifier
 from .vocab import DraftVocab
 
 MAX_CONTEXT_VOCAB = 2048  # default slots for context tokens in a reduced draft vocabulary
@@ -89,6 +91,66 @@ class HeadDrafter:
         start = self.cache.length
         positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
         self.last = self.draft(tokens[None], hidden[None], positions[None], cache=self.cache)
+
+
+class PromptLookup:
+    """Another drafter's tree plus a chain of ``tokens`` context tokens: those that followed the latest earlier
+    occurrence of the context's last n-gram (the longest n in ``ngrams`` that occurs), grafted below the tree's node
+    that already spells their start (:func:`griffin.tree.graft`). A head drafts text it has learnt; the chain drafts
+    text that is copied (a rewrite, a quote, code edited again), and verification takes whichever the target agrees
+    with, in the same pass. Lossless like any deterministic draft."""
+
+    def __init__(self, inner, tokens: int, capacity: int, ngrams: tuple[int, ...] = (3, 2, 1)):
+        if tokens < 1 or not ngrams or min(ngrams) < 1:
+            raise ValueError("prompt lookup needs tokens >= 1 and n-gram sizes >= 1")
+        self.inner, self.tokens, self.ngrams = inner, tokens, sorted(set(ngrams), reverse=True)
+        self.depth = max(inner.depth, tokens)
+        self.total_tokens = inner.total_tokens + tokens
+        self.context = torch.zeros(capacity + 1, dtype=torch.long)  # every token so far, the root last
+        self.length = 0
+
+    def verifier(self, sampling, generator):
+        choose = getattr(self.inner, "verifier", None)
+        return choose(sampling, generator) if choose else default_verifier(sampling, generator)
+
+    def start(self, ids: torch.Tensor, hidden: torch.Tensor, token: torch.Tensor) -> None:
+        self.context = self.context.to(ids.device)
+        self.length = 0
+        self._append(torch.cat((ids, token)))
+        self.inner.start(ids, hidden, token)
+
+    def propose(self, token: torch.Tensor) -> Tree:
+        chain_tokens, valid = self.lookup()
+        return graft(self.inner.propose(token), chain_tokens, valid)
+
+    def accept(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        self._append(tokens)
+        self.inner.accept(tokens, hidden)
+
+    def _append(self, tokens: torch.Tensor) -> None:
+        end = self.length + tokens.shape[0]
+        if end > self.context.shape[0]:
+            self.context = torch.cat((self.context, self.context.new_zeros(end)))
+        self.context[self.length : end] = tokens
+        self.length = end
+
+    def lookup(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> the chain [tokens] and which of its tokens are real [tokens] (none without a match), with tensor
+        operations only."""
+        n_ctx, context = self.length, self.context[: self.length]
+        device = context.device
+        start = torch.zeros((), dtype=torch.long, device=device)
+        found = torch.zeros((), dtype=torch.bool, device=device)
+        for n in self.ngrams:
+            if n_ctx <= n:
+                continue
+            windows = context[: n_ctx - 1].unfold(0, n, 1)  # [n_ctx - n, n] every earlier n-gram with a successor
+            hits = (windows == context[n_ctx - n :]).all(dim=1)
+            latest = torch.where(hits, torch.arange(hits.shape[0], device=device), -1).max()
+            start = torch.where(found, start, latest + n)
+            found = found | hits.any()
+        at = start + torch.arange(self.tokens, device=device)
+        return context[at.clamp(max=n_ctx - 1)], found & (at < n_ctx)
 
 
 class OracleDrafter:

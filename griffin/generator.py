@@ -27,7 +27,7 @@ from .chat import check_messages, prompt_ids
 from .compat import check_compatible
 from .draft import DraftModel
 from .draft_lm import DraftLM, DraftLMDrafter, load_draft_lm
-from .drafters import HeadDrafter
+from .drafters import HeadDrafter, PromptLookup
 from .family import check_target
 from .kv_cache import BufferCache
 from .sampling import SamplingConfig, sample_token
@@ -97,10 +97,11 @@ class SpecGenerator:
     def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, draft: DraftModel | DraftLM,
                  depth: int = 5, top_k: int = 8, total_tokens: int = 24, draft_dtype: torch.dtype | None = None,
                  weight_major_rows: int | None = None, timing: bool = False, gamma: int = 4,
-                 compile: str | dict | None = None):
+                 compile: str | dict | None = None, lookup: int = 0):
         for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens), ("gamma", gamma)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_lookup(lookup)
         self.target, self.tokenizer = target, tokenizer
         self.backend = TargetBackend(target, weight_major_rows, compile=compile)
         self.device = self.backend.device
@@ -114,6 +115,7 @@ class SpecGenerator:
         self.num_layers = self.backend.num_layers
         self.weight_major = self.backend.weight_major
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.lookup = lookup  # tokens of the prompt-lookup chain added to each head tree (0: none)
         self.timing = timing  # split draft / verify / other time in GenerationStats (synchronises the device)
         self.draft_path: Path | None = None  # the folder the head was loaded from, if any
         self._drafter: HeadDrafter | DraftLMDrafter | None = None
@@ -128,7 +130,7 @@ class SpecGenerator:
                         weight_major_rows: int | None = None, timing: bool = False,
                         compile: str | dict | None = None,
                         draft_model: str | os.PathLike | PreTrainedModel | None = None,
-                        gamma: int | str = "auto", retune: bool = False) -> SpecGenerator:
+                        gamma: int | str = "auto", retune: bool = False, lookup: int = 0) -> SpecGenerator:
         """``target``: a name (``smollm2-135m-instruct``), a local HF folder or a loaded model (moved to ``device``
         and cast to ``dtype`` when given; its tokenizer is then found locally from the name it was loaded under, or
         pass ``tokenizer``); ``draft``: a head folder, a :class:`DraftModel`, or None for the head shipped for the
@@ -149,12 +151,19 @@ class SpecGenerator:
         picks the length with the best expected speedup from measured costs and acceptance (cached, like the tree
         size).
 
+        ``lookup``: add to every head tree a chain of this many tokens copied from the context (prompt lookup,
+        :class:`griffin.drafters.PromptLookup`), which the target verifies in the same pass; 0 (the default) adds
+        none. The tree size is tuned without it.
+
         The output is the target's own: greedy tokens equal ``transformers``' ``generate`` on the same model, dtype
         and device (see :mod:`griffin.family` for what "identical" means in bf16 on GPUs); targets whose family
         verification cannot reproduce are refused with the reason (:func:`griffin.family.check_target`)."""
         if total_tokens != "auto" and (isinstance(total_tokens, bool) or not isinstance(total_tokens, int)
                                        or total_tokens < 1):
             raise ValueError(f"total_tokens must be 'auto' or a positive integer, got {total_tokens!r}")
+        check_lookup(lookup)
+        if lookup and draft_model is not None:
+            raise ValueError("lookup adds a chain to a head's tree: it does not combine with draft_model")
         if isinstance(target, PreTrainedModel):
             model = target.eval()
             if device is not None or dtype is not None:  # as for a name: the target runs where and how asked
@@ -185,6 +194,7 @@ class SpecGenerator:
             from .autotune import autotune
 
             gen.depth, gen.top_k, gen.total_tokens = autotune(gen, retune=retune)
+        gen.lookup = lookup
         return gen
 
     @classmethod
@@ -270,9 +280,10 @@ class SpecGenerator:
 
     # --- generation ----------------------------------------------------------------------------------------------
 
-    def make_drafter(self, capacity: int, shared: bool = True) -> HeadDrafter | DraftLMDrafter:
-        """The drafter, prepared for one generation of up to ``capacity`` positions. ``shared``: the one built once
-        and reused (its draft vocabulary and KV cache survive across generations), else a new one."""
+    def make_drafter(self, capacity: int, shared: bool = True) -> HeadDrafter | PromptLookup | DraftLMDrafter:
+        """The drafter, prepared for one generation of up to ``capacity`` positions (a head's wrapped in
+        :class:`PromptLookup` when ``lookup`` is set). ``shared``: the one built once and reused (its draft vocabulary
+        and KV cache survive across generations), else a new one."""
         if isinstance(self.draft, DraftLM):
             if not shared:
                 return DraftLMDrafter(self.draft, self.gamma, capacity)
@@ -282,12 +293,14 @@ class SpecGenerator:
                 self._drafter.prepare(self.gamma, capacity)
             return self._drafter
         if not shared:
-            return HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
-        if self._drafter is None or self._drafter.draft is not self.draft:
-            self._drafter = HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
+            head = HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
         else:
-            self._drafter.prepare(self.depth, self.top_k, self.total_tokens, capacity)
-        return self._drafter
+            if self._drafter is None or self._drafter.draft is not self.draft:
+                self._drafter = HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
+            else:
+                self._drafter.prepare(self.depth, self.top_k, self.total_tokens, capacity)
+            head = self._drafter
+        return PromptLookup(head, self.lookup, capacity) if self.lookup else head
 
     @torch.inference_mode()
     def _steps(self, ids: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig, eos: torch.Tensor,
@@ -461,6 +474,11 @@ def check_sampling_arguments(max_new_tokens, temperature, top_p, top_k, max_leng
         raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
     if seed is not None and not integer(seed):
         raise ValueError(f"seed must be an integer or None, got {seed!r}")
+
+
+def check_lookup(lookup) -> None:
+    if isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 0:
+        raise ValueError(f"lookup must be an integer >= 0 (0 = off), got {lookup!r}")
 
 
 def context_window(model) -> int | None:

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         history = [{"role": "system", "content": args.system}] if args.system else []
     save = Path(args.save or args.resume or cache_dir() / "chats" / f"chat-{time.strftime('%Y%m%d-%H%M%S')}.json")
     gen = SpecGenerator.from_pretrained(args.target, args.draft, total_tokens=args.total_tokens, retune=args.retune,
-                                        device=args.device, dtype=args.dtype)
+                                        lookup=args.lookup, device=args.device, dtype=args.dtype)
     start = [m for m in history if m["role"] == "system"][:1]
     if args.resume:
         print(f"[continuing {save}: {sum(m['role'] == 'user' for m in history)} earlier messages]")

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from griffin.sampling import SamplingConfig
 
     gen = SpecGenerator.from_pretrained(args.target, args.draft, total_tokens=args.total_tokens, retune=args.retune,
-                                        device=args.device, dtype=args.dtype)
+                                        lookup=args.lookup, device=args.device, dtype=args.dtype)
     eos = gen.eos_ids(None)
     sampling = SamplingConfig(args.temperature)
     hf_kwargs = dict(do_sample=args.temperature > 0, temperature=args.temperature or None, top_p=None, top_k=None,

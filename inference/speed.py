@@ -4,6 +4,7 @@
     python -m inference.speed --bench all --draft checkpoints/smollm2-135m-instruct-eagle --methods ours
 
     python -m inference.speed --bench mt_bench --dtype bf16        # bf16 target: bf16 speculative vs bf16 plain
+    python -m inference.speed --bench mt_bench --lookup 10         # head tree + a prompt-lookup chain of 10 tokens
 
 For every question (chat-templated; MT-Bench's second turn too, after the baseline's first answer), in one process
 after a warm-up, each method generates in turn: transformers' ``generate``, our speculative generator, our own plain
@@ -153,7 +154,7 @@ def summarise(records: list[dict], args: argparse.Namespace, bench: str, gen: Sp
         "bench": bench, "target": args.target, "draft": tag, "temperature": args.temperature,
         "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
         "draft_dtype": str(gen.draft.fusion.fc.weight.dtype).removeprefix("torch."),
-        "tree": {"depth": gen.depth, "top_k": gen.top_k, "total_tokens": gen.total_tokens},
+        "tree": {"depth": gen.depth, "top_k": gen.top_k, "total_tokens": gen.total_tokens, "lookup": gen.lookup},
         "n_questions": len({r["question_id"] for r in records}), "n_prompts": len(records),
         "tau": tokens["ours"] / cycles if cycles else None,  # new tokens per verification pass
         "tokens_per_s": tokens["ours"] / seconds["ours"],
@@ -273,10 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model, tokenizer = load_target(args.target, dtype=args.dtype)
     kwargs = {k: getattr(args, k) for k in ("depth", "top_k") if getattr(args, k) is not None}
-    kwargs.update(total_tokens=args.total_tokens, retune=args.retune)
+    kwargs.update(total_tokens=args.total_tokens, retune=args.retune, lookup=args.lookup)
     gen = SpecGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer, draft_dtype=args.draft_dtype,
                                         **kwargs)
-    tag = args.tag or Path(gen.draft_path or "head").name
+    tag = args.tag or Path(gen.draft_path or "head").name + (f"-lookup{args.lookup}" if args.lookup else "")
     runner = Runner(gen, args)
     warm = torch.tensor(prompt_ids(tokenizer, [{"role": "user", "content": "Hello! Who are you?"}]))
     for method in args.methods:

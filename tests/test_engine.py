@@ -89,10 +89,13 @@ def counted(monkeypatch):
     return counter
 
 
-@pytest.mark.parametrize("arch,vocab,temperature", [("griffin", 40, 0.0), ("eagle", 0, 0.0), ("griffin", 40, 1.0)])
-def test_one_host_sync_per_cycle(counted, arch, vocab, temperature):
+@pytest.mark.parametrize("arch,vocab,temperature,lookup", [("griffin", 40, 0.0, 0), ("eagle", 0, 0.0, 0),
+                                                           ("griffin", 40, 1.0, 0), ("griffin", 40, 0.0, 5),
+                                                           ("eagle", 0, 1.0, 5)])
+def test_one_host_sync_per_cycle(counted, arch, vocab, temperature, lookup):
     target = tiny_model("llama", vocab_size=96)
-    gen = SpecGenerator(target, NoTokenizer(), head(target, arch, vocab), depth=4, top_k=4, total_tokens=12)
+    gen = SpecGenerator(target, NoTokenizer(), head(target, arch, vocab), depth=4, top_k=4, total_tokens=12,
+                        lookup=lookup)
     prompt = torch.tensor([5, 17, 33, 2, 60, 71])
     per_cycle = syncs_per_cycle(gen, prompt, counted, temperature=temperature, top_p=0.9, top_k=20)
     assert len(per_cycle) > 3, per_cycle

@@ -8,6 +8,7 @@ import json
 import logging
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -99,6 +100,10 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     assert regen == ["0:1", "1:2"]
     first = json.loads((tmp_path / "work" / "runs" / "griffin-s1" / "chunk-001" / "validation.json").read_text())
     assert first["run"]["init_from"] == str(ckpt / "wip-griffin-s1")  # the committed head after chunk 0
+    # chunk 1 holds the target's answers: its peak rate is REGEN_LR of the schedule's
+    assert first["run"]["lr"] == pytest.approx(recipe.LR[1] * recipe.LR_DECAY * recipe.REGEN_LR, rel=1e-2)
+    assert [p["lr"] for p in state["curve"] if p["head"] == "griffin-s1"] == pytest.approx(
+        [recipe.LR[1] * recipe.LR_DECAY ** i * (recipe.REGEN_LR if i == 1 else 1) for i in range(3)], rel=1e-2)
     run = json.loads((tmp_path / "work" / "runs" / "griffin" / "chunk-003" / "validation.json").read_text())["run"]
     assert run["init_from"] == str(tmp_path / "work" / "runs" / "griffin-s1" / "chunk-002")
     assert run["steps"] == 2 and run["topk"] == 3

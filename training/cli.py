@@ -66,11 +66,15 @@ fraction = _number(float, lambda v: 0 < v < 1, "a number in (0, 1)")
 
 
 def add_tree_arguments(p: argparse.ArgumentParser, total_tokens: str | int | None = "auto") -> None:
-    """``--total-tokens`` (a fixed tree size, skipping the tuning) and ``--retune`` for every generating command."""
+    """``--total-tokens`` (a fixed tree size, skipping the tuning), ``--retune`` and ``--lookup`` for every generating
+    command."""
     p.add_argument("--total-tokens", type=_tree_size, default=total_tokens,
                    help="draft tree size: an integer fixes it and skips the tuning; 'auto' (default) uses the size "
                         "tuned for this machine and head (measured once, in under a minute)")
     p.add_argument("--retune", action="store_true", help="measure the best tree size again (with 'auto')")
+    p.add_argument("--lookup", type=nonnegative_int, default=0,
+                   help="add to each draft tree a chain of this many tokens copied from the context (prompt lookup; "
+                        "0, the default: none)")
 
 
 def _tree_size(text: str) -> str | int:

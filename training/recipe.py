@@ -24,7 +24,11 @@ per architecture; at stage 2 each forks into the heads of the paper's ablation, 
 
 So the token-alignable stages get half the data (by default a quarter each for K=2 and K=3), and the single-pass
 heads see exactly the same data and number of updates. The peak learning rate of chunk i of a stage is
-``LR[stage] * 0.85**i`` (a cosine schedule with warm-up inside each chunk; AdamW starts afresh per chunk).
+``LR[stage] * 0.85**i`` (a cosine schedule with warm-up inside each chunk; AdamW starts afresh per chunk), times
+``REGEN_LR`` (0.3) for a chunk of the target's answers (about 120 updates): at 0.3 of the rate such a chunk raised
+top-1 on the target's answers 2.4 times as much and lowered it on ShareGPT less than half as much
+(``benchmarks/results/recipe-regen-lr.md``). The schedule is not part of the settings a rerun must share (chunks 1, 3
+and 5 were trained at the full rate); every point of the learning curve records the peak rate of its chunk.
 
 **What survives.** After a head finishes a chunk it is exported (fp16 safetensors, model card with one training row
 per chunk, validation reports) to ``--checkpoints/wip-<head>`` (``checkpoints/smollm2-135m-instruct-wip``), and
@@ -72,6 +76,8 @@ log = logging.getLogger("recipe")
 STATE = "recipe.json"
 LR = {1: 1e-3, 2: 6e-4, 3: 6e-4}  # peak learning rate of the first chunk of each stage
 LR_DECAY = 0.85  # per chunk within a stage
+REGEN_LR = 0.3  # the peak rate of a chunk of the target's answers, relative to LR[stage] * LR_DECAY**i
+SCHEDULE = ("lr", "lr_decay", "regen_lr")  # settings a rerun may change
 
 
 @dataclass(frozen=True)
@@ -164,7 +170,7 @@ def settings(args: argparse.Namespace, records: int) -> dict:
             "shards": shards, "chunk_shards": args.chunk_shards, "chunks": chunks, "stage_ends": ends,
             "regen_records": min(args.regen_records, args.chunk_shards * args.shard_records),
             "regen_new_tokens": args.regen_new_tokens, "max_len": args.max_len, "draft_vocab": args.draft_vocab,
-            "batch_size": args.batch_size, "lr": LR, "lr_decay": LR_DECAY}
+            "batch_size": args.batch_size, "lr": LR, "lr_decay": LR_DECAY, "regen_lr": REGEN_LR}
 
 
 def stage_of(cfg: dict, chunk: int) -> int:
@@ -187,12 +193,13 @@ def load_state(path: Path, cfg: dict) -> dict:
     if not path.is_file():
         return {"settings": cfg, "heads": {}, "curve": [], "timings": []}
     state = json.loads(path.read_text())
-    old = {k: v for k, v in state["settings"].items() if k != "lr"}
-    new = {k: v for k, v in cfg.items() if k != "lr"}
+    old = {k: v for k, v in state["settings"].items() if k not in SCHEDULE}
+    new = {k: v for k, v in cfg.items() if k not in SCHEDULE}
     if old != new:
         diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
         raise StoreError(f"{path} was made with other settings ({', '.join(diff)} differ): rerun with the same "
                          "options, or use a new --checkpoints folder to start over")
+    state["settings"] |= {k: cfg[k] for k in SCHEDULE}  # the schedule of the chunks to come
     return state
 
 
@@ -396,7 +403,7 @@ def train(args, cfg: dict, state: dict, head: Head, chunk: int, store: Path) -> 
         init = local if (local / "model.safetensors").is_file() and (local / "validation.json").is_file() else \
             head_folder(args, source)
     index = chunk - (cfg["stage_ends"][stage - 2] if stage > 1 else 0)
-    lr = LR[stage] * LR_DECAY ** index
+    lr = LR[stage] * LR_DECAY ** index * (REGEN_LR if chunk_source(cfg, chunk)[0] == "regen" else 1)
     argv = ["--features", str(store), "--out", str(run), "--arch", head.arch, "--steps", str(head.steps[stage - 1]),
             "--topk", str(head.topk), "--lr", f"{lr:.3g}", "--epochs", "1", "--batch-size", str(cfg["batch_size"]),
             "--draft-vocab", str(cfg["draft_vocab"]), "--mixed-precision", "bf16", "--save-every", "50"]
@@ -430,6 +437,7 @@ def export(args, state: dict, head: Head, chunk: int, run: Path, fixed: dict[str
     last = report["epochs"][-1]
     seen = sum(s["epochs"][-1]["tokens"] for s in stages + [report])
     state["curve"].append({"head": head.name, "chunk": chunk, "steps": report["run"]["steps"], "tokens_seen": seen,
+                           "lr": report["run"]["lr"],
                            "passes": [{k: p[k] for k in ("pass", "top1", "kept")} for p in last["passes"]],
                            "fixed": fixed})
 
@@ -468,9 +476,11 @@ def progress_markdown(cfg: dict, state: dict) -> str:
     heads = markdown_table(["head", "chunks consumed", "of"], [[h.name, consumed_text(state, h), cfg["chunks"]]
                                                               for h in STAGE1 + HEADS])
     kinds = list(fixed_sets(cfg))
-    curve = markdown_table(["head", "chunk", "K", "tokens seen"] + [f"fixed {k}: top-1 per pass" for k in kinds]
+    curve = markdown_table(["head", "chunk", "K", "peak LR", "tokens seen"]
+                           + [f"fixed {k}: top-1 per pass" for k in kinds]
                            + ["chunk's held-out: top-1 per pass", "kept per pass"],
-                           [[r["head"], r["chunk"], r["steps"], f"{r['tokens_seen']:,}",
+                           [[r["head"], r["chunk"], r["steps"], f"{r['lr']:.3g}" if "lr" in r else "-",
+                             f"{r['tokens_seen']:,}",
                              *(" / ".join(figure(p["top1"], 3) for p in r.get("fixed", {}).get(k, [])) or "-"
                                for k in kinds),
                              " / ".join(figure(p["top1"], 3) for p in r["passes"]),

@@ -1,0 +1,96 @@
+"""Prompt lookup added to a head's tree: the chain found in the context, grafted without duplicate siblings,
+lossless, and long acceptances where the text repeats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from griffin import DraftConfig, DraftModel, SpecGenerator
+from griffin.drafters import PromptLookup
+from griffin.tree import build_tree, graft
+from griffin.verify import Greedy, follow
+from tests.conftest import tiny_model
+from tests.test_engine import NoTokenizer
+
+
+def small_tree() -> object:
+    """root 9 -> {1 -> {3, 4}, 2}: candidates by level, parents as candidate indices."""
+    t = torch.tensor
+    return build_tree(t([9]), t([1, 2, 3, 4]), t([-0.1, -0.2, -0.3, -0.4]), t([-1, -1, 0, 0]), t([1, 1, 2, 2]), 4)
+
+
+def test_graft_hangs_the_chain_below_the_node_that_spells_its_start():
+    tree = small_tree()
+    grafted = graft(tree, torch.tensor([1, 3, 7, 8]), torch.ones(4, dtype=torch.bool))
+    assert grafted.size == 9 and grafted.max_depth == 4
+    # chain tokens 1 and 3 are nodes 1 and 3 already: padding; 7 hangs from node 3, 8 from 7
+    assert grafted.valid.tolist() == [True] * 5 + [False, False, True, True]
+    assert grafted.parents[7:].tolist() == [3, 7]
+    assert grafted.depths[7:].tolist() == [3, 4]
+    assert grafted.ancestors[8].nonzero().flatten().tolist() == [0, 1, 3, 7, 8]
+    # the target agrees with the whole chain: all four tokens are accepted, then the bonus
+    choice = torch.zeros(9, dtype=torch.long)
+    choice[0], choice[1], choice[3], choice[7], choice[8] = 1, 3, 7, 8, 5
+    acceptance = follow(grafted, choice)
+    assert int(acceptance.length) == 4
+    assert acceptance.emitted(grafted).tolist() == [1, 3, 7, 8, 5]
+
+
+def test_graft_from_the_root_and_without_a_match():
+    tree = small_tree()
+    fresh = graft(tree, torch.tensor([6, 1, 3]), torch.ones(3, dtype=torch.bool))
+    assert fresh.parents[5:].tolist() == [0, 5, 6] and fresh.valid[5:].all()
+    none = graft(tree, torch.tensor([6, 1, 3]), torch.zeros(3, dtype=torch.bool))
+    assert not none.valid[5:].any()
+    choice = torch.tensor([6, 0, 0, 0, 0, 1, 3, 0])
+    assert int(follow(none, choice).length) == 0  # padding is never entered
+    assert int(follow(fresh, choice).length) == 3
+
+
+def test_lookup_copies_what_followed_the_latest_occurrence_of_the_longest_ngram():
+    class Inner:
+        depth, total_tokens = 2, 3
+
+    drafter = PromptLookup(Inner(), tokens=3, capacity=16)
+    drafter._append(torch.tensor([5, 6, 7, 1, 6, 7, 2, 9, 5, 6, 7]))
+    tokens, valid = drafter.lookup()
+    # "5 6 7" occurs at 0: its successors 1 6 7 beat the later bigram "6 7" at 4 (-> 2 9 5)
+    assert tokens.tolist() == [1, 6, 7] and valid.all()
+    drafter.length = 0
+    drafter._append(torch.tensor([4, 8, 3, 8]))
+    tokens, valid = drafter.lookup()  # only the unigram 8 matches; one token follows it before the end
+    assert tokens[:2].tolist() == [3, 8] and valid.tolist() == [True, True, False]
+    drafter.length = 0
+    drafter._append(torch.tensor([1, 2, 3]))
+    assert not drafter.lookup()[1].any()
+
+
+def generator(lookup: int) -> SpecGenerator:
+    target = tiny_model("llama", vocab_size=96, seed=3)
+    torch.manual_seed(0)
+    draft = DraftModel(DraftConfig.from_target(target.config, arch="griffin"))
+    return SpecGenerator(target, NoTokenizer(), draft, depth=3, top_k=3, total_tokens=6, lookup=lookup)
+
+
+def test_lookup_keeps_the_target_output_and_accepts_more_on_repeating_text():
+    plain, looked = generator(0), generator(8)
+    prompt = torch.tensor([5, 17, 33, 2, 60, 71, 8, 12] * 3)
+    with torch.no_grad():
+        ref = plain.target.generate(prompt[None], max_new_tokens=40, do_sample=False)[0, prompt.shape[0]:]
+    a = plain.generate(prompt, max_new_tokens=40, eos_token_id=[])
+    b = looked.generate(prompt, max_new_tokens=40, eos_token_id=[])
+    assert torch.equal(a.sequences[0, prompt.shape[0]:], ref) and torch.equal(b.sequences, a.sequences)
+    assert b.stats.tau > a.stats.tau + 0.5, (a.stats.tau, b.stats.tau)
+    sampled = [g.generate(prompt, max_new_tokens=20, temperature=0.8, seed=1, eos_token_id=[]) for g in (plain, looked)]
+    assert all(s.sequences.shape[1] == prompt.shape[0] + 20 for s in sampled)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "4"])
+def test_lookup_must_be_a_nonnegative_integer(value):
+    with pytest.raises(ValueError, match="lookup must be an integer"):
+        generator(value)
+
+
+def test_greedy_verifier_is_kept():
+    assert isinstance(generator(4).make_drafter(64).verifier(type("S", (), {"greedy": True})(), None), Greedy)
