@@ -294,12 +294,11 @@ class SpecGenerator:
             return self._drafter
         if not shared:
             head = HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
+        elif self._drafter is None or self._drafter.draft is not self.draft:
+            head = self._drafter = HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
         else:
-            if self._drafter is None or self._drafter.draft is not self.draft:
-                self._drafter = HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
-            else:
-                self._drafter.prepare(self.depth, self.top_k, self.total_tokens, capacity)
             head = self._drafter
+            head.prepare(self.depth, self.top_k, self.total_tokens, capacity)
         return PromptLookup(head, self.lookup, capacity) if self.lookup else head
 
     @torch.inference_mode()
