@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +28,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .io import atomic_write_json, read_json
+from .kernels import cpu_name
 from .kv_cache import BufferCache
 from .target import cache_dir, target_fingerprint
 
@@ -51,7 +51,7 @@ SPLIT = {"calibration": 0.45, "forward cost": 0.25, "check": 0.30}
 def _key(gen) -> str:
     weight = gen.draft.fusion.fc.weight.detach().float().cpu().numpy().tobytes()
     parts = [target_fingerprint(gen.target.config), str(gen.lm_head.weight.dtype), str(gen.device),
-             platform.processor() or platform.machine(), str(torch.get_num_threads()), str(gen.top_k),
+             cpu_name(), str(torch.get_num_threads()), str(gen.top_k),
              str(gen.weight_major.max_rows), gen.weight_major.one_row, hashlib.sha256(weight).hexdigest()[:16]]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 

@@ -11,8 +11,9 @@ logits step from :mod:`griffin.family`, and runs:
   math kernel). During verification passes :class:`PackedGQA` instead folds the query heads of each KV group into
   extra query rows, [B, nh, q, D] -> [B, nkv, groups*q, D], with the mask repeated per group: the same products,
   no KV copy, and any SDPA kernel that takes a mask;
-- on CPU, passes of 2..``weight_major_rows`` tokens with weight-major linear layers, and one-token passes with the
-  one-row kernel plain decoding takes (:mod:`griffin.kernels`), so that measured costs compare like with like.
+- on CPU, passes of 2..``weight_major_rows`` tokens with weight-major linear layers (by default the sizes where that
+  measured faster on this machine), and one-token passes with the one-row kernel plain decoding takes
+  (:func:`griffin.kernels.choose_kernels`), so that measured costs compare like with like.
 
 With ``compile`` (off by default) verification passes have static shapes and addresses and run through
 ``torch.compile`` (``compile="reduce-overhead"``: CUDA graphs): the cache writes at a device-side offset and attention
@@ -29,7 +30,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .family import output_logits, verification_mask
-from .kernels import WeightMajorLinears, default_max_rows, default_one_row
+from .kernels import WeightMajorLinears, choose_kernels
 from .kv_cache import BufferCache
 
 PACKED_GQA = "griffin_packed_gqa_sdpa"
@@ -91,11 +92,10 @@ class TargetBackend:
         self.lm_head = model.get_output_embeddings()
         self.device = model.get_input_embeddings().weight.device  # where token ids go in
         self.num_layers = model.config.get_text_config().num_hidden_layers
-        if weight_major_rows is None:
-            weight_major_rows = default_max_rows(self.device)
-        # see griffin.kernels; one-token forwards (the cost model's plain step) take plain decoding's fastest kernel
-        self.weight_major = WeightMajorLinears(model, weight_major_rows,
-                                               default_one_row(self.device, self.lm_head.weight.dtype))
+        # see griffin.kernels; one-token forwards (the cost model's plain step) take plain decoding's kernel
+        self.kernels = choose_kernels(model)
+        rows = self.kernels.max_rows if weight_major_rows is None else weight_major_rows
+        self.weight_major = WeightMajorLinears(model, rows, self.kernels.one_row)
         self.packed_gqa = PackedGQA(model) if packed_gqa else contextlib.nullcontext()
         self.cache: BufferCache | None = None
         self._cache_key: tuple | None = None

@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import re
 import shutil
 import tempfile
@@ -30,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from .chain import ChainVerifier
 from .family import output_logits
 from .io import atomic_write_json
+from .kernels import cpu_name
 from .kv_cache import BufferCache
 from .sampling import SamplingConfig, sample, warp
 from .target import cache_dir, target_fingerprint
@@ -239,7 +239,7 @@ def _tuning_key(gen) -> str:
     lm = gen.draft.model
     probe = [p.detach().float().flatten()[:4096].cpu() for p in list(lm.parameters())[:8]]
     parts = [target_fingerprint(gen.target.config), str(gen.backend.lm_head.weight.dtype), str(gen.device),
-             platform.processor() or platform.machine(), str(torch.get_num_threads()), str(gen.weight_major.max_rows),
+             cpu_name(), str(torch.get_num_threads()), str(gen.weight_major.max_rows),
              gen.weight_major.one_row,
              str(lm.num_parameters()), str(None if gen.draft.vocab is None else len(gen.draft.vocab)),
              hashlib.sha256(torch.cat(probe).numpy().tobytes()).hexdigest()[:16]]

@@ -2,8 +2,8 @@
 
 The reference point for speedups that isolates speculation from framework overhead (transformers' ``generate`` is the
 other reference). Each decode step computes the target's linear layers with the fastest one-row kernel measured for
-the device and dtype (:func:`griffin.kernels.default_one_row`), so that plain decoding gets the same kernel choice
-that verification gets.
+this machine, model and dtype (:func:`griffin.kernels.choose_kernels`), so that plain decoding gets the same kernel
+choice that verification gets.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .family import output_logits
-from .kernels import WeightMajorLinears, default_one_row
+from .kernels import WeightMajorLinears, choose_kernels
 from .kv_cache import BufferCache
 from .sampling import SamplingConfig, sample_token
 
@@ -20,10 +20,9 @@ from .sampling import SamplingConfig, sample_token
 def plain_generate(target, ids: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig, eos: torch.Tensor,
                    generator: torch.Generator | None = None, one_row: str | None = None) -> torch.Tensor:
     """ids [P] -> the new tokens [n] (one target forward per token). ``one_row``: the kernel of the one-token steps
-    (:data:`griffin.kernels.ONE_ROW_KERNELS`; default: the fastest measured for the target's device and dtype)."""
+    (:data:`griffin.kernels.ONE_ROW_KERNELS`; default: the fastest measured for the target on this machine)."""
     decoder = target.get_decoder()
-    weight = target.get_output_embeddings().weight
-    kernels = WeightMajorLinears(target, 0, one_row or default_one_row(weight.device, weight.dtype))
+    kernels = WeightMajorLinears(target, 0, one_row or choose_kernels(target).one_row)
     cache = BufferCache(target.config.get_text_config().num_hidden_layers, ids.shape[0] + max_new_tokens)
     positions = torch.arange(ids.shape[0], device=ids.device)
     hidden = decoder(input_ids=ids[None], position_ids=positions[None], past_key_values=cache,

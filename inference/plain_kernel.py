@@ -9,8 +9,11 @@ step of our plain loop (:func:`griffin.plain.plain_generate`: the target's forwa
 weight-major product. After a warm-up the kernels take turns step by step, in a rotated order each round, so that
 load from other processes falls on all of them alike; the table reports the median wall time and the median CPU
 time of this process per step (on a shared machine the CPU time is the steadier figure at one thread). It also
-checks that the plain loop writes the same tokens with every kernel. Writes ``benchmarks/results/plain-kernel.json``
-and ``.md``; ``griffin.kernels.ONE_ROW_DEFAULTS`` holds the winners.
+checks that the plain loop writes the same tokens with every kernel.
+
+It also runs the measurement that :func:`griffin.kernels.choose_kernels` makes on each machine (every linear layer of
+the target over 1..16 rows, ``F.linear`` against weight-major) and reports the choice. Writes
+``benchmarks/results/plain-kernel.json`` and ``.md`` (``--out-dir`` for another machine's folder).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from tqdm.auto import tqdm
 
 from griffin.chat import prompt_ids
 from griffin.family import output_logits
-from griffin.kernels import ONE_ROW_KERNELS, WeightMajorLinears
+from griffin.kernels import ONE_ROW_KERNELS, WeightMajorLinears, measure_kernels, pick
 from griffin.kv_cache import BufferCache
 from griffin.plain import plain_generate
 from griffin.sampling import SamplingConfig
@@ -104,6 +107,13 @@ def table(result: dict) -> str:
             rows.append([dtype, name, k["wall_ms"], f"{base['wall_ms'] / k['wall_ms']:.3f}x", k["cpu_ms"],
                          f"{base['cpu_ms'] / k['cpu_ms']:.3f}x", "yes" if k["same_tokens_as_linear"] else "no",
                          "**fastest**" if name == result["best"][dtype] else ""])
+    layer_rows = []
+    for dtype, layers in result["layers"].items():
+        for n, t in layers["rows"].items():
+            layer_rows.append([dtype, n, 1000 * t["linear"], 1000 * t["weight-major"],
+                               f"{t['linear'] / t['weight-major']:.2f}x"])
+    choices = "; ".join(f"{dtype}: one row `{layers['choice']['one_row']}`, weight-major up to "
+                        f"{layers['choice']['max_rows']} rows" for dtype, layers in result["layers"].items())
     machine = result["machine"]
     return (f"# One-row kernel of plain decoding\n\nOne decode step of our plain loop (one token after a "
             f"{result['context']}-token cache, logits, argmax), target {result['target']}; medians of "
@@ -112,6 +122,10 @@ def table(result: dict) -> str:
             "is chosen by CPU time.\n\n"
             + markdown_table(["dtype", "one-row kernel", "wall ms/step", "speed vs F.linear", "CPU ms/step",
                               "speed vs F.linear (CPU)", "same tokens", ""], rows)
+            + "\n## Small inputs: what `griffin.kernels.choose_kernels` measures\n\nEvery linear layer of the target "
+            "once over n rows, medians of interleaved rounds (wall ms).\n\n"
+            + markdown_table(["dtype", "rows", "F.linear ms", "weight-major ms", "weight-major speed"], layer_rows)
+            + f"\nChoice on this machine: {choices}.\n"
             + f"\nCommand: `{result['command']}`\n\nMachine: {machine['cpu']}, {machine['cores']} cores, "
             f"{machine['torch_threads']} torch threads, torch {machine['torch']}, {machine['date']}, load average "
             f"{machine['load_average_1m']} (the cores are shared with other work).\n")
@@ -120,13 +134,15 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result: dict = {"target": args.target, "context": args.context, "rounds": args.rounds,
-                    "new_tokens": args.new_tokens, "dtypes": {}, "best": {}}
+                    "new_tokens": args.new_tokens, "dtypes": {}, "best": {}, "layers": {}}
     for dtype in args.dtypes:
         model, tokenizer = load_target(args.target, dtype=dtype)
         ids = torch.tensor(prompt_ids(tokenizer, [{"role": "user", "content": PROMPT}]))
         kernels = measure(model, ids, args.context, args.rounds, args.new_tokens)
         result["dtypes"][dtype] = kernels
         result["best"][dtype] = min(kernels, key=lambda k: kernels[k]["cpu_ms"])
+        layers = measure_kernels(model)
+        result["layers"][dtype] = {**layers, "choice": dict(zip(("one_row", "max_rows"), pick(layers)))}
         del model
     result["machine"] = machine_info()
     result["command"] = command_line("inference.plain_kernel", args.argv)

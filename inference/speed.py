@@ -76,7 +76,6 @@ from tqdm.auto import tqdm
 from griffin import SpecGenerator
 from griffin.chat import prompt_ids
 from griffin.io import atomic_write_json, atomic_write_text, read_journal
-from griffin.kernels import default_one_row
 from griffin.plain import plain_generate
 from griffin.sampling import SamplingConfig
 from griffin.target import load_target
@@ -168,8 +167,7 @@ def summarise(records: list[dict], args: argparse.Namespace, bench: str, gen: Sp
             same = [r["ours"]["tokens"] == r["baseline"]["tokens"] for r in records]
             result["identical_fraction"] = sum(same) / len(same)
     if "own_loop" in args.methods:
-        weight = gen.target.get_output_embeddings().weight
-        result["own_loop_one_row"] = default_one_row(weight.device, weight.dtype)  # its one-row kernel
+        result["own_loop_one_row"] = gen.backend.kernels.one_row  # its one-row kernel
         result["own_loop_tokens_per_s"] = tokens["own_loop"] / seconds["own_loop"]
         result["speedup_vs_own_loop"] = result["tokens_per_s"] / result["own_loop_tokens_per_s"]
     plain = {m: tokens[m] / seconds[m] for m in ("baseline", "own_loop") if m in args.methods}

@@ -127,7 +127,7 @@ from griffin.drafters import HeadDrafter
 from griffin.family import verification_mask
 from griffin.generator import default_head, fast_draft_dtype
 from griffin.io import atomic_write_text, read_journal
-from griffin.kernels import WeightMajorLinears, default_max_rows
+from griffin.kernels import WeightMajorLinears, choose_kernels
 from griffin.kv_cache import BufferCache
 from griffin.plain import plain_generate
 from griffin.sampling import SamplingConfig
@@ -319,7 +319,7 @@ def target_features(target: PreTrainedModel, prompt: torch.Tensor, continuation:
     dtype = target.get_output_embeddings().weight.dtype
     p, rest = prompt.shape[0], continuation[:-1]
     cache = BufferCache(target.config.get_text_config().num_hidden_layers, p + rest.shape[0])
-    weight_major = WeightMajorLinears(target, default_max_rows(prompt.device))
+    weight_major = WeightMajorLinears(target, choose_kernels(target).max_rows)
     hidden = []
     for start, tokens in ((0, prompt), (p, rest)):
         q = tokens.shape[0]

@@ -1,13 +1,18 @@
-"""Weight-major linear layers for small verification passes: same values as F.linear, scoped, restored on exit."""
+"""Weight-major linear layers for small verification passes: same values as F.linear, scoped, restored on exit; the
+kernel choice measured per machine and cached."""
 
 from __future__ import annotations
+
+import json
+import logging
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from griffin.kernels import ONE_ROW_KERNELS, WeightMajorLinears, default_max_rows, default_one_row
+from griffin import kernels
+from griffin.kernels import ONE_ROW_KERNELS, KernelChoice, WeightMajorLinears, choose_kernels, pick
 from griffin.plain import plain_generate
 from griffin.sampling import SamplingConfig
 from tests.conftest import tiny_model
@@ -56,7 +61,8 @@ def test_a_whole_model_gives_the_same_logits_and_nothing_is_switched_when_off():
         hooked = model.lm_head
         hooked.forward = hooked.forward  # an instance-level forward, as accelerate's hooks install
         assert hooked not in WeightMajorLinears(model, max_rows=8).linears
-    assert default_max_rows(torch.device("cpu")) >= 2 and default_max_rows(torch.device("meta")) == 0
+    assert choose_kernels(model) == KernelChoice("pad", kernels.DEFAULT_MAX_ROWS, "default")  # too small to time
+    assert choose_kernels(tiny_model("llama").to("meta")) == KernelChoice("linear", 0, "default")  # nothing to switch
 
 
 @pytest.mark.parametrize("kernel", ONE_ROW_KERNELS)
@@ -78,7 +84,6 @@ def test_one_row_kernels_give_the_values_of_f_linear(kernel, monkeypatch):
     assert len(calls) == (2 if kernel == "linear" else 1) and two_rows.shape == (1, 2, 96)
     with pytest.raises(ValueError, match="one_row"):
         WeightMajorLinears(layer, 8, one_row="fast")
-    assert default_one_row(torch.device("meta"), torch.float32) == "linear"
 
 
 @pytest.mark.parametrize("kernel", ONE_ROW_KERNELS)
@@ -99,7 +104,7 @@ def test_one_token_target_forwards_take_plain_decodings_kernel(monkeypatch):
 
     model = tiny_model("llama", vocab_size=128, seed=3)
     backend = TargetBackend(model)
-    assert backend.weight_major.one_row == default_one_row(torch.device("cpu"), torch.float32) == "pad"
+    assert backend.weight_major.one_row == backend.kernels.one_row == "pad"  # a tiny model: the unmeasured default
     calls = []
     real_linear = F.linear
     monkeypatch.setattr(F, "linear", lambda *a, **k: calls.append(a[0].shape) or real_linear(*a, **k))
@@ -112,3 +117,37 @@ def test_one_token_target_forwards_take_plain_decodings_kernel(monkeypatch):
         expected = model(torch.cat([torch.arange(5), torch.tensor([7])])[None]).logits[0, -1:]
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
     assert TargetBackend(model, weight_major_rows=0).weight_major.one_row == "pad"  # one token even with rows off
+
+
+def test_pick_takes_the_fastest_one_row_kernel_and_the_rows_where_weight_major_wins_throughout():
+    rows = {"2": {"linear": 2.0, "weight-major": 1.0}, "3": {"linear": 2.0, "weight-major": 1.5},
+            "4": {"linear": 2.0, "weight-major": 2.5}, "6": {"linear": 3.0, "weight-major": 1.0}}
+    assert pick({"one_row_s": {"linear": 1.0, "weight-major": 0.9, "pad": 1.1}, "rows": rows}) == ("weight-major", 3)
+    rows["2"]["weight-major"] = 2.0  # a tie at two rows: F.linear everywhere
+    assert pick({"one_row_s": {"linear": 1.0, "weight-major": 1.2, "pad": 1.1}, "rows": rows}) == ("linear", 0)
+
+
+def test_kernels_are_measured_once_per_machine_and_model_then_read_from_the_cache(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("GRIFFIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "MEASURE_MIN_BYTES", 0)  # time even a tiny model
+    monkeypatch.setattr(kernels, "BUDGET_S", 0.0)  # the minimum rounds
+    monkeypatch.setattr(kernels, "_CHOICES", {})
+    model = tiny_model("llama")
+    first = choose_kernels(model)
+    assert first.source == "measured" and first.one_row in ONE_ROW_KERNELS
+    assert first.max_rows in (0, *kernels.ROW_SIZES)
+    [record] = (tmp_path / "kernels").glob("*.json")
+    saved = json.loads(record.read_text())
+    assert (saved["one_row"], saved["max_rows"]) == pick(saved) == (first.one_row, first.max_rows)
+    assert saved["rounds"] >= 3 and set(saved["one_row_s"]) == set(ONE_ROW_KERNELS)
+    assert all(t > 0 for n in kernels.ROW_SIZES for t in saved["rows"][str(n)].values())
+    monkeypatch.setattr(kernels, "_CHOICES", {})  # a new process: the file answers
+    assert choose_kernels(model) == KernelChoice(first.one_row, first.max_rows, "cached")
+    assert choose_kernels(model) == KernelChoice(first.one_row, first.max_rows, "cached")  # now from memory
+    monkeypatch.setattr(kernels, "_CHOICES", {})
+    record.write_text("{broken")
+    with caplog.at_level(logging.WARNING, logger="griffin.kernels"):
+        assert choose_kernels(model).source == "measured"
+    assert "damaged" in caplog.text and json.loads(record.read_text())["rounds"] >= 3  # rewritten whole
+    assert choose_kernels(model.to(torch.bfloat16)).source == "measured"  # another dtype: another record
+    assert len(list((tmp_path / "kernels").glob("*.json"))) == 2
