@@ -7,11 +7,17 @@ Bounded in time (``budget_s``, 30 s by default; a progress bar shows it) and rob
    smaller tree of ``N`` nodes and depth ``d`` is the ``N`` best-ranked nodes of depth <= d of the same candidates, so
    the tokens it would have accepted follow from those ranks (never more than the large tree accepted: the measured
    acceptance bounds every estimate). The head's cost per drafting level and the per-cycle overhead are timed too.
-2. The target's forward-cost curve ``t(n)`` (25 %): interleaved repeats over all sizes, medians, made non-decreasing
-   in ``n`` (a busy moment cannot make a larger pass look cheaper than a smaller one).
-3. Expected speedup over plain decoding = ``tau(N, d) * t(1) / (t(N+1) + d * draft_level + overhead)``.
-4. Check (30 %): the best candidate and a small default tree generate the same prompt in turns; the faster by median
-   wins, so the choice is never worse than the default. Too little calibration data also falls back to the default.
+   With a prompt-lookup chain of K tokens (``lookup=K``) the calibration trees carry it, and a smaller tree keeps the
+   path's nodes that the chain spells, whether the head drafted them too or not. K itself is not tuned: the
+   calibration requests are first turns, where little text repeats, so they would undervalue the chain (on MT-Bench
+   in bf16 it raised τ from about 2 to 3.02).
+2. The target's forward-cost curve ``t(n)`` (25 %): interleaved repeats over the sizes of the candidate trees,
+   medians, made non-decreasing in ``n`` (a busy moment cannot make a larger pass look cheaper than a smaller one);
+   sizes between two measured ones are interpolated.
+3. Expected speedup over plain decoding = ``tau(N, d) * t(1) / (t(N+1+K) + d * draft_level + overhead)``.
+4. Check (30 %): the best candidate and a small default tree (with the whole chain) generate the same prompt in turns;
+   the faster by median wins, so the choice is never worse than the default. Too little calibration data also falls
+   back to the default.
 
 The choice is cached per machine, target, dtype and head under ``<griffin cache>/autotune/`` with the reason for it;
 ``retune=True`` (``--retune`` on the commands) measures again, ``total_tokens=N`` skips the tuning.
@@ -52,7 +58,8 @@ def _key(gen) -> str:
     weight = gen.draft.fusion.fc.weight.detach().float().cpu().numpy().tobytes()
     parts = [target_fingerprint(gen.target.config), str(gen.lm_head.weight.dtype), str(gen.device),
              cpu_name(), str(torch.get_num_threads()), str(gen.top_k),
-             str(gen.weight_major.max_rows), gen.weight_major.one_row, hashlib.sha256(weight).hexdigest()[:16]]
+             str(gen.weight_major.max_rows), gen.weight_major.one_row, str(gen.lookup),
+             hashlib.sha256(weight).hexdigest()[:16]]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 
@@ -104,16 +111,24 @@ def cached_context_forward(gen, context: int, max_new: int) -> Callable[[int], N
     return forward
 
 
-def expected_tau(trace: list, total: int, depth: int) -> float:
-    """Mean tokens per cycle had the trees been cut to ``total`` nodes of depth <= ``depth``."""
+def expected_tau(trace: list, total: int, depth: int, chain: int = 0) -> float:
+    """Mean tokens per cycle had the trees been cut to ``total`` head nodes of depth <= ``depth``. ``chain``: the
+    nodes of the prompt-lookup chain grafted onto every traced tree (its last nodes), which a cut tree keeps too.
+
+    The chain spells the path of its own nodes and of the head's nodes above the first of them (graft hangs the chain
+    below the deepest node that spells its start); those stay however the head's part is cut."""
     accepted = []
     for tree, path in trace:
         depths, ranks = tree.depths, tree.ranks()
-        allowed = depths <= depth
+        head = torch.arange(tree.size, device=depths.device) < tree.size - chain
+        allowed = (depths <= depth) & head
         order = torch.argsort(torch.where(allowed, ranks, ranks.max() + 1))
         kept = torch.zeros_like(allowed)
         kept[order[: total + 1]] = True  # the root and the `total` best allowed nodes
         kept &= allowed
+        if chain:
+            real = ~head if tree.valid is None else ~head & tree.valid
+            kept |= tree.ancestors[real].any(dim=0) | real  # chain nodes and every node above them
         inside = kept[path[1:]]
         accepted.append(int(inside.int().cumprod(0).sum()) + 1)
     return sum(accepted) / len(accepted)
@@ -198,7 +213,7 @@ def _seconds_per_token(gen, ids: torch.Tensor, tree: tuple[int, int], max_new_to
         gen.depth, gen.total_tokens = saved
 
 
-def _check(gen, clock: _Clock, best: tuple[int, int], max_new_tokens: int) -> dict[str, float]:
+def _check(gen, clock: _Clock, best: tuple[int, int], max_new_tokens: int) -> dict[tuple[int, int], float]:
     """Median seconds per token of the best candidate and the default tree, generated in turns."""
     ids = next(_calibration_prompts(gen))
     deadline = clock.deadline("check")
@@ -210,6 +225,16 @@ def _check(gen, clock: _Clock, best: tuple[int, int], max_new_tokens: int) -> di
         if len(times[best]) >= 5 or time.perf_counter() > deadline:
             break
     return {tree: statistics.median(t) for tree, t in times.items()}
+
+
+def interpolate(costs: dict[int, float], n: int) -> float:
+    """t(n) from the measured sizes: linear between the two nearest, the nearest end outside them."""
+    sizes = sorted(costs)
+    below = max((s for s in sizes if s <= n), default=sizes[0])
+    above = min((s for s in sizes if s >= n), default=sizes[-1])
+    if below == above:
+        return costs[below]
+    return costs[below] + (costs[above] - costs[below]) * (n - below) / (above - below)
 
 
 def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64) -> dict:
@@ -228,8 +253,8 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64) -> dict:
             reason = f"the default tree: only {cycles} calibration cycles fitted in the time (machine too busy?)"
             choice.update(depth=depth, total_tokens=total, reason=reason, tuning_s=clock.elapsed)
             return choice
-        costs = forward_cost(gen, [1] + [n + 1 for n in TOTALS], context=128, repeats=7,
-                             deadline=clock.deadline("forward cost"))
+        sizes = sorted({1} | {n + 1 for n in TOTALS} | {n + 1 + gen.lookup for n in TOTALS[:: 3]})
+        costs = forward_cost(gen, sizes, context=128, repeats=7, deadline=clock.deadline("forward cost"))
         clock.tick("forward cost")
         running = 0.0
         for n in sorted(costs):  # non-decreasing in n: noise never makes a larger pass look cheaper
@@ -239,8 +264,8 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64) -> dict:
         table = []
         for depth in range(1, MAX_DEPTH + 1):
             for total in TOTALS:
-                tau = min(expected_tau(trace, total, depth), measured_tau)
-                speedup = tau * costs[1] / (costs[total + 1] + depth * level + overhead)
+                tau = min(expected_tau(trace, total, depth, gen.lookup), measured_tau)
+                speedup = tau * costs[1] / (interpolate(costs, total + 1 + gen.lookup) + depth * level + overhead)
                 table.append({"depth": depth, "total_tokens": total, "tau": tau, "speedup": speedup})
         best = max(table, key=lambda row: row["speedup"])
         pick = (best["depth"], best["total_tokens"])
@@ -257,9 +282,9 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64) -> dict:
                           f"{measured[DEFAULT_TREE] / measured[pick]:.2f}x faster than the default tree")
         else:
             reason = f"expected tau {best['tau']:.2f} at {best['speedup']:.2f}x the plain decoding rate"
-        choice.update(depth=pick[0], total_tokens=pick[1], reason=reason, expected_tau=best["tau"],
-                      expected_speedup=best["speedup"], forward_cost_s=costs, draft_level_s=level,
-                      cycle_overhead_s=overhead,
+        choice.update(depth=pick[0], total_tokens=pick[1], lookup=gen.lookup, reason=reason,
+                      expected_tau=best["tau"], expected_speedup=best["speedup"], forward_cost_s=costs,
+                      draft_level_s=level, cycle_overhead_s=overhead,
                       measured_s_per_token={f"{d}x{n}": s for (d, n), s in measured.items()},
                       candidates=table, tuning_s=clock.elapsed)
         return choice
@@ -267,14 +292,20 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64) -> dict:
         clock.close()
 
 
+def _describe(choice: dict) -> str:
+    lookup = choice.get("lookup", 0)
+    return f"{choice['total_tokens']} nodes, depth {choice['depth']}" + (f" + lookup {lookup}" if lookup else "")
+
+
 def autotune(gen, retune: bool = False, budget_s: float | None = None) -> tuple[int, int, int]:
-    """-> (depth, top_k, total_tokens) for ``gen``'s target and head on this machine (tuned once, then cached)."""
+    """-> (depth, top_k, total_tokens) for ``gen``'s target, head and lookup chain on this machine (tuned once, then
+    cached)."""
     path = cache_dir() / "autotune" / f"{_key(gen)}.json"
     if path.is_file() and not retune:
         try:
             choice = read_json(path, "tuning record")
-            log.info("draft tree: %d nodes, depth %d (tuned for this machine on %s; --retune measures again, "
-                     "--total-tokens N fixes it)", choice["total_tokens"], choice["depth"], choice.get("tuned_at"))
+            log.info("draft tree: %s (tuned for this machine on %s; --retune measures again, --total-tokens N fixes "
+                     "it)", _describe(choice), choice.get("tuned_at"))
             return choice["depth"], choice["top_k"], choice["total_tokens"]
         except (ValueError, KeyError, TypeError):
             log.warning("%s is damaged: tuning again", path)
@@ -283,6 +314,6 @@ def autotune(gen, retune: bool = False, budget_s: float | None = None) -> tuple[
     choice = tune(gen, budget_s)
     choice["tuned_at"] = time.strftime("%Y-%m-%d %H:%M")
     atomic_write_json(path, choice)
-    log.info("draft tree: %d nodes, depth %d, chosen in %.0f s: %s (cached in %s)", choice["total_tokens"],
-             choice["depth"], choice["tuning_s"], choice["reason"], path)
+    log.info("draft tree: %s, chosen in %.0f s: %s (cached in %s)", _describe(choice), choice["tuning_s"],
+             choice["reason"], path)
     return choice["depth"], choice["top_k"], choice["total_tokens"]

@@ -153,7 +153,7 @@ class SpecGenerator:
 
         ``lookup``: add to every head tree a chain of this many tokens copied from the context (prompt lookup,
         :class:`griffin.drafters.PromptLookup`), which the target verifies in the same pass; 0 (the default) adds
-        none. The tree size is tuned without it.
+        none. With ``total_tokens="auto"`` the tree is tuned with the chain in it (its cost and what it accepts).
 
         The output is the target's own: greedy tokens equal ``transformers``' ``generate`` on the same model, dtype
         and device (see :mod:`griffin.family` for what "identical" means in bf16 on GPUs); targets whose family
@@ -190,11 +190,11 @@ class SpecGenerator:
                   total_tokens, draft_dtype=resolve_dtype(draft_dtype), weight_major_rows=weight_major_rows,
                   timing=timing, compile=compile)
         gen.draft_path = draft_path
+        gen.lookup = lookup
         if total_tokens == "auto":
             from .autotune import autotune
 
             gen.depth, gen.top_k, gen.total_tokens = autotune(gen, retune=retune)
-        gen.lookup = lookup
         return gen
 
     @classmethod

@@ -3,15 +3,19 @@ lossless, and long acceptances where the text repeats."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from griffin import DraftConfig, DraftModel, SpecGenerator
+from griffin import DraftConfig, DraftModel, SpecGenerator, autotune
+from griffin.autotune import expected_tau
 from griffin.drafters import PromptLookup
 from griffin.tree import build_tree, graft
 from griffin.verify import Greedy, follow
 from tests.conftest import tiny_model
 from tests.test_engine import NoTokenizer
+from tests.test_inference import CharTokenizer
 
 
 def small_tree() -> object:
@@ -94,3 +98,29 @@ def test_lookup_must_be_a_nonnegative_integer(value):
 
 def test_greedy_verifier_is_kept():
     assert isinstance(generator(4).make_drafter(64).verifier(type("S", (), {"greedy": True})(), None), Greedy)
+
+
+def test_expected_tau_keeps_the_chain_and_the_path_it_spells_in_every_cut_tree():
+    grafted = graft(small_tree(), torch.tensor([1, 3, 7, 8]), torch.ones(4, dtype=torch.bool))
+    trace = [(grafted, torch.tensor([0, 1, 3, 7, 8]))]  # the target took the whole chain: 4 tokens + the bonus
+    assert expected_tau(trace, total=4, depth=8, chain=4) == 5
+    assert expected_tau(trace, total=4, depth=8) == 3  # as if chain nodes were the head's: ranked last, cut
+    # a one-node head tree keeps node 1; node 3 (the head's 3rd best) stays because the chain spells it
+    assert expected_tau(trace, total=1, depth=1, chain=4) == 5
+    assert expected_tau([(grafted, torch.tensor([0, 2]))], total=1, depth=8, chain=4) == 1  # node 2: the head's, cut
+
+
+def test_the_tree_is_tuned_with_the_chain_and_apart_from_the_tree_without_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRIFFIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(autotune, "BUDGET_S", 3.0)
+    assert autotune.interpolate({1: 1.0, 5: 3.0, 9: 3.0}, 3) == 2.0 and autotune.interpolate({1: 1.0, 5: 3.0}, 7) == 3.0
+    target = tiny_model("llama", vocab_size=64)
+    torch.manual_seed(0)
+    head = DraftModel(DraftConfig.from_target(target.config))
+    gen = SpecGenerator.from_pretrained(target, head, tokenizer=CharTokenizer(), total_tokens="auto", lookup=4)
+    [record] = (tmp_path / "autotune").glob("*.json")
+    choice = json.loads(record.read_text())
+    assert gen.lookup == choice["lookup"] == 4 and gen.total_tokens == choice["total_tokens"]
+    assert {n + 1 + 4 for n in autotune.TOTALS[::3]} <= set(map(int, choice["forward_cost_s"]))  # the chain's rows
+    plain = SpecGenerator.from_pretrained(target, head, tokenizer=CharTokenizer(), total_tokens="auto")
+    assert plain.lookup == 0 and len(list((tmp_path / "autotune").glob("*.json"))) == 2  # tuned apart

@@ -74,7 +74,7 @@ def add_tree_arguments(p: argparse.ArgumentParser, total_tokens: str | int | Non
     p.add_argument("--retune", action="store_true", help="measure the best tree size again (with 'auto')")
     p.add_argument("--lookup", type=nonnegative_int, default=0,
                    help="add to each draft tree a chain of this many tokens copied from the context (prompt lookup; "
-                        "0, the default: none)")
+                        "0, the default: none); an auto tree size is tuned with the chain")
 
 
 def _tree_size(text: str) -> str | int:
