@@ -196,7 +196,7 @@ def choose_kernels(model: nn.Module, remeasure: bool = False) -> KernelChoice:
             log.warning("%s is damaged: measuring the kernels again", path)
     log.info("timing matmul kernels for this machine and model (about %.0f s, once)", BUDGET_S)
     t0 = time.perf_counter()
-    measured = measure_kernels(model)
+    measured = measure_kernels(model, BUDGET_S)
     choice = _CHOICES[key] = KernelChoice(*pick(measured), "measured")
     record = {**asdict(choice), **measured, "cpu": cpu_name(), "threads": torch.get_num_threads(),
               "dtype": str(weight.dtype), "torch": torch.__version__, "measure_s": time.perf_counter() - t0,

@@ -8,7 +8,7 @@
 
 For every question (chat-templated; MT-Bench's second turn too, after the baseline's first answer), in one process
 after a warm-up, each method generates in turn: transformers' ``generate``, our speculative generator, our own plain
-decoding loop (with the fastest one-row kernel measured for this CPU and dtype, :mod:`inference.plain_kernel`), and
+decoding loop (with the fastest one-row kernel measured on this machine, :func:`griffin.kernels.choose_kernels`), and
 transformers' prompt lookup decoding, all with the target in the same dtype. The headline speedup is against the
 *fastest* plain decoding (the higher tokens/s of ``generate`` and our plain loop); the speedup over ``generate`` is
 kept beside it. At T=0 the speculative output is checked token for token against ``generate``'s. Results:
