@@ -30,6 +30,11 @@ def peer_text(r: dict) -> str:
     return f"{r['peers']['prompt_lookup']:.2f}x" if "peers" in r else "-"
 
 
+def cpu_text(cpu: str) -> str:
+    """A CPU model name without trademark signs and the word Processor."""
+    return " ".join(w for w in cpu.replace("(R)", "").replace("(TM)", "").split() if w != "Processor")
+
+
 def tags(results_dir: Path, head: str) -> list[str]:
     """The head's name, then ``<head>-lookup<K>`` for every K with a speed run, smallest first."""
     found = {int(p.name.split(f"{head}-lookup", 1)[1].split("-", 1)[0])
@@ -51,7 +56,8 @@ def section(results_dir: Path, head: str) -> str:
         plain = [f"{r['baseline_tokens_per_s']:.1f}" if "baseline_tokens_per_s" in r else "-",
                  f"{r['own_loop_tokens_per_s']:.1f} ({r.get('own_loop_one_row', 'linear')})"
                  if "own_loop_tokens_per_s" in r else "-"]
-        rows.append([bench, r["temperature"], r.get("dtype", dtype), r["machine"].get("torch_threads", "-"),
+        rows.append([bench, r["temperature"], r.get("dtype", dtype), cpu_text(r["machine"]["cpu"]),
+                     r["machine"].get("torch_threads", "-"),
                      r["n_prompts"], r["max_new_tokens"],
                      tree_text(r["tree"]), r["tau"], f"**{best[0]:.2f}x** ({best[1]})" if best else "-",
                      f"{r['tokens_per_s'] / r['baseline_tokens_per_s']:.2f}x" if "baseline_tokens_per_s" in r
@@ -63,14 +69,15 @@ def section(results_dir: Path, head: str) -> str:
     if not rows:
         return "No headline speed runs yet.\n\n" + costs(results_dir)
     text = (f"Head `checkpoints/{head}`, one process per run, every method timed side by side after a warm-up, the "
-            f"target in the dtype shown for all of them, on {machine['cpu']} ({machine['cores']} cores, torch "
+            f"target in the dtype shown for all of them, on the CPU shown ({machine['cores']} cores, torch "
             f"{machine['torch']}). The headline speedup is against the fastest plain decoding of the same run: the "
             "higher tokens/s of transformers `generate` and our plain loop, whose one-row kernel is shown beside it "
-            "(now the fastest measured, [plain-kernel.md](benchmarks/results/plain-kernel.md); runs before that used "
+            "(runs from 2026-11-24 on: the fastest measured on that machine, `griffin.kernels.choose_kernels`; "
+            "earlier ones: a fixed table from the AMD EPYC, [plain-kernel.md](benchmarks/results/plain-kernel.md), or "
             "`F.linear`, shown as linear). Speedups are ratios of tokens/s (at T=0 the same as ratios of wall time, "
             "since every method writes the same tokens). Threads: torch's intra-op threads of the run, the same for "
             "every method in it.\n\n")
-    text += markdown_table(["bench", "T", "dtype", "threads", "prompts", "max new", "tree", "τ",
+    text += markdown_table(["bench", "T", "dtype", "CPU", "threads", "prompts", "max new", "tree", "τ",
                             "speedup vs fastest plain", "speedup vs HF generate", "tokens/s", "HF generate tokens/s",
                             "plain loop tokens/s", "prompt lookup speedup", "identical", "file"], rows)
     once = dict.fromkeys(commands)  # in order, each once: one `--bench all` run writes several files
