@@ -116,6 +116,8 @@ def test_speed_run_writes_results(tmp_path, embedded):
                 "speedup_vs_own_loop", "tokens_per_s", "baseline_tokens_per_s", "identical_fraction", "peers",
                 "machine", "command", "speedup_vs_fastest_plain", "own_loop_identical_fraction"):
         assert key in result, key
+    assert result["kernels"]["one_row"] == result["own_loop_one_row"] and result["kernels"]["source"] in (
+        "measured", "cached")  # the embedded target is large enough to be timed
     plain = max(result["baseline_tokens_per_s"], result["own_loop_tokens_per_s"])
     assert result["speedup_vs_fastest_plain"] == pytest.approx(result["tokens_per_s"] / plain)
     assert result["fastest_plain"] in ("baseline", "own_loop")
