@@ -113,7 +113,7 @@ def _switched(model: nn.Module) -> list[nn.Linear]:
 
 def _key(linears: list[nn.Linear], dtype: torch.dtype) -> str:
     shapes = sorted(f"{m.out_features}x{m.in_features}{'b' if m.bias is not None else ''}" for m in linears)
-    parts = [cpu_name(), torch.__version__, str(torch.get_num_threads()), str(dtype), ",".join(shapes)]
+    parts = [cpu_name(), torch.__version__, str(torch.get_num_threads()), str(dtype), ",".join(shapes), str(ROW_SIZES)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 
