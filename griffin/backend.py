@@ -11,9 +11,10 @@ logits step from :mod:`griffin.family`, and runs:
   math kernel). During verification passes :class:`PackedGQA` instead folds the query heads of each KV group into
   extra query rows, [B, nh, q, D] -> [B, nkv, groups*q, D], with the mask repeated per group: the same products,
   no KV copy, and any SDPA kernel that takes a mask;
-- on CPU, passes of 2..``weight_major_rows`` tokens with weight-major linear layers (by default the sizes where that
-  measured faster on this machine), and one-token passes with the one-row kernel plain decoding takes
-  (:func:`griffin.kernels.choose_kernels`), so that measured costs compare like with like.
+- on CPU, passes of 2..``weight_major_rows`` tokens with the small-input kernel measured fastest on this machine
+  (weight-major or oneDNN linear layers; by default up to the size where it stops beating ``F.linear``), and
+  one-token passes with the one-row kernel plain decoding takes (:func:`griffin.kernels.choose_kernels`), so that
+  measured costs compare like with like.
 
 With ``compile`` (off by default) verification passes have static shapes and addresses and run through
 ``torch.compile`` (``compile="reduce-overhead"``: CUDA graphs): the cache writes at a device-side offset and attention
@@ -95,7 +96,7 @@ class TargetBackend:
         # see griffin.kernels; one-token forwards (the cost model's plain step) take plain decoding's kernel
         self.kernels = choose_kernels(model)
         rows = self.kernels.max_rows if weight_major_rows is None else weight_major_rows
-        self.weight_major = WeightMajorLinears(model, rows, self.kernels.one_row)
+        self.weight_major = WeightMajorLinears(model, rows, self.kernels.one_row, self.kernels.rows_kernel)
         self.packed_gqa = PackedGQA(model) if packed_gqa else contextlib.nullcontext()
         self.cache: BufferCache | None = None
         self._cache_key: tuple | None = None

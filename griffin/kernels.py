@@ -4,16 +4,18 @@ A verification pass runs the target over a handful of tokens, a plain decode ste
 so few rows depends on the CPU: on an AMD EPYC (MKL) ``F.linear`` (x @ W^T) over 2-8 rows was slow and the same
 product computed weight-major, (W @ x^T)^T, brought a four-token forward from 1.5x to 0.72x a one-token one
 (``benchmarks/results/engine.md``); on an Intel Xeon the one-row kernel that won on the EPYC ran 2.1x slower than
-``F.linear`` (``benchmarks/results/intel-xeon/plain-kernel.md``).
+``F.linear`` (``benchmarks/results/intel-xeon/plain-kernel.md``). A third kernel, oneDNN's linear over a copy of the
+weight packed for it once (``torch.ops.mkldnn``, what inductor's CPU freezing uses), keeps a few rows nearly as cheap
+as one in fp32 too; the copy costs memory equal to the switched weights.
 
-:class:`WeightMajorLinears` switches a model's ``nn.Linear`` layers to the weight-major form while it is entered, for
-inputs of 2..``max_rows`` rows, and to a chosen kernel for one row; other inputs (a long prompt) take ``F.linear``.
-The result is the same product summed in another order, as any change of batch size already does.
+:class:`WeightMajorLinears` switches a model's ``nn.Linear`` layers, while it is entered, to a chosen kernel for one
+row (``one_row``) and another for 2..``max_rows`` rows (``rows_kernel``); other inputs (a long prompt) take
+``F.linear``. The result is the same product summed in another order, as any change of batch size already does.
 
-:func:`choose_kernels` picks ``one_row`` and ``max_rows`` for a model on this machine: it times every switched layer
-of the model on 1..16 rows with each kernel, in turns (about 10 s, once), and caches the choice per CPU, torch
-build, thread count, dtype and layer shapes under ``<griffin cache>/kernels/``. Models whose linear weights fit in a
-CPU cache (the tiny test models) are not measured and take :data:`ONE_ROW_DEFAULTS` and :data:`DEFAULT_MAX_ROWS`.
+:func:`choose_kernels` picks them for a model on this machine: it times every switched layer of the model on 1..32
+rows with each kernel, in turns (about 10 s, once), and caches the choice per CPU, torch build, thread count, dtype
+and layer shapes under ``<griffin cache>/kernels/``. Models whose linear weights fit in a CPU cache (the tiny test
+models) are not measured and take :data:`ONE_ROW_DEFAULTS` and :data:`DEFAULT_MAX_ROWS` weight-major rows.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import platform
 import statistics
 import time
 import types
+import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -32,69 +35,94 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-ONE_ROW_KERNELS = ("linear", "weight-major", "pad")
+ONEDNN = torch.backends.mkldnn.is_available()  # x86 builds of torch; elsewhere the oneDNN kernel is not offered
+ONE_ROW_KERNELS = ("linear", "weight-major", "pad") + (("onednn",) if ONEDNN else ())
+ROWS_KERNELS = ("weight-major",) + (("onednn",) if ONEDNN else ())
 # Unmeasured fallbacks (models too small to measure): the AMD EPYC's winners (benchmarks/results/plain-kernel.md and
 # engine.md; at 8 rows weight-major still won there, 1.24x against 1.42x a one-row forward).
 ONE_ROW_DEFAULTS = {torch.float32: "pad", torch.bfloat16: "weight-major"}
 DEFAULT_MAX_ROWS = 8
-ROW_SIZES = (2, 3, 4, 5, 6, 8, 12, 16)  # the multi-row sizes timed: verification passes of small trees
+ROW_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32)  # the multi-row sizes timed: verification passes of trees and chains
 MEASURE_MIN_BYTES = 32 << 20  # smaller linear weights stay in cache: launch costs, not the kernel, decide
 BUDGET_S = 10.0
+PACK_ROWS = 8  # the row count oneDNN packs the weight for (any count works; this one is what verification sees)
+
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Linear -> (weight stamp, packed weight)
 
 
-def _weight_major_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def packed_weight(m: nn.Linear) -> torch.Tensor:
+    """``m``'s weight packed for oneDNN, made once and again only if the weight changed."""
+    stamp = (m.weight.data_ptr(), m.weight._version, m.weight.dtype)
+    hit = _PACKED.get(m)
+    if hit is None or hit[0] != stamp:
+        with torch.no_grad():
+            hit = _PACKED[m] = (stamp, torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), PACK_ROWS))
+    return hit[1]
+
+
+def _small_input_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    if rows == 1 and self.one_row != "linear":
-        flat = x.reshape(1, -1)
-        if self.one_row == "pad":  # two rows, the second a copy, through the 2-row weight-major product
-            out = (self.weight @ flat.repeat(2, 1).T)[:, :1].T.contiguous()  # [1, out]
-        else:
-            out = (self.weight @ flat.T).T.contiguous()  # [1, out]
-    elif not 2 <= rows <= self.max_rows:
+    kernel = self.one_row if rows == 1 else self.rows_kernel if 2 <= rows <= self.max_rows else "linear"
+    if kernel == "linear":
         return F.linear(x, self.weight, self.bias)
+    flat = x.reshape(rows, -1)
+    if kernel == "onednn":
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")  # [rows, out]
+        return out.reshape(*x.shape[:-1], -1)
+    if kernel == "pad":  # two rows, the second a copy, through the 2-row weight-major product
+        out = (self.weight @ flat.repeat(2, 1).T)[:, :1].T.contiguous()  # [1, out]
     else:
-        out = (self.weight @ x.reshape(rows, -1).T).T.contiguous()  # [rows, out]
+        out = (self.weight @ flat.T).T.contiguous()  # [rows, out]
     if self.bias is not None:
         out = out + self.bias
     return out.reshape(*x.shape[:-1], -1)
 
 
 class WeightMajorLinears:
-    """``with WeightMajorLinears(model, max_rows):`` computes the model's linear layers weight-major for small inputs.
+    """``with WeightMajorLinears(model, max_rows, one_row, rows_kernel):`` computes the model's linear layers with
+    other kernels than ``F.linear`` for small inputs.
 
     Only plain ``nn.Linear`` modules are switched: quantized or fused subclasses keep their own kernels, and modules
     whose ``forward`` is already wrapped (accelerate's offload hooks) are left alone. Nothing is switched when
-    ``max_rows`` < 2 and ``one_row`` is ``"linear"``. Entering and leaving costs one attribute write per layer.
+    ``max_rows`` < 2 and ``one_row`` is ``"linear"``. Entering and leaving costs a few attribute writes per layer.
 
-    ``one_row`` picks the kernel of a one-row input (a plain decode step): ``"linear"`` (``F.linear``),
-    ``"weight-major"`` ((W @ x^T)^T) or ``"pad"`` (the row and a copy of it through the two-row weight-major product).
+    Kernels (:data:`ONE_ROW_KERNELS`): ``"linear"`` (``F.linear``), ``"weight-major"`` ((W @ x^T)^T), ``"pad"`` (one
+    row and a copy of it through the two-row weight-major product) and ``"onednn"`` (oneDNN's linear over the weight
+    packed for it, :func:`packed_weight`). ``one_row`` is the kernel of a one-row input (a plain decode step),
+    ``rows_kernel`` (weight-major or onednn) that of 2..``max_rows`` rows.
     """
 
-    def __init__(self, model: nn.Module, max_rows: int, one_row: str = "linear"):
+    def __init__(self, model: nn.Module, max_rows: int, one_row: str = "linear", rows_kernel: str = "weight-major"):
         if one_row not in ONE_ROW_KERNELS:
             raise ValueError(f"one_row must be one of {', '.join(ONE_ROW_KERNELS)}, got {one_row!r}")
-        self.max_rows, self.one_row = max_rows, one_row
+        if rows_kernel not in ROWS_KERNELS:
+            raise ValueError(f"rows_kernel must be one of {', '.join(ROWS_KERNELS)}, got {rows_kernel!r}")
+        self.max_rows, self.one_row, self.rows_kernel = max_rows, one_row, rows_kernel
         active = max_rows >= 2 or one_row != "linear"
         self.linears = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m)
                         and m.weight.device.type != "meta"] if active else []
+        self.onednn = one_row == "onednn" or (rows_kernel == "onednn" and max_rows >= 2)
 
     def __enter__(self) -> WeightMajorLinears:
         for m in self.linears:
-            m.max_rows, m.one_row = self.max_rows, self.one_row
-            m.forward = types.MethodType(_weight_major_forward, m)
+            m.max_rows, m.one_row, m.rows_kernel = self.max_rows, self.one_row, self.rows_kernel
+            m.packed = packed_weight(m) if self.onednn else None
+            m.forward = types.MethodType(_small_input_forward, m)
         return self
 
     def __exit__(self, *exc) -> None:
         for m in self.linears:
-            del m.forward, m.max_rows, m.one_row
+            del m.forward, m.max_rows, m.one_row, m.rows_kernel, m.packed
 
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """The kernel of one-row inputs and the largest input weight-major takes (0: none), with where they came from."""
+    """The kernel of one-row inputs, the largest input the small-rows kernel takes (0: none) and that kernel, with
+    where they came from."""
 
     one_row: str
     max_rows: int
+    rows_kernel: str
     source: str  # "measured", "cached", "default" (not measured) or "gpu"
 
 
@@ -113,7 +141,8 @@ def _switched(model: nn.Module) -> list[nn.Linear]:
 
 def _key(linears: list[nn.Linear], dtype: torch.dtype) -> str:
     shapes = sorted(f"{m.out_features}x{m.in_features}{'b' if m.bias is not None else ''}" for m in linears)
-    parts = [cpu_name(), torch.__version__, str(torch.get_num_threads()), str(dtype), ",".join(shapes), str(ROW_SIZES)]
+    parts = [cpu_name(), torch.__version__, str(torch.get_num_threads()), str(dtype), ",".join(shapes),
+             str(ROW_SIZES), ",".join(ONE_ROW_KERNELS)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 
@@ -121,49 +150,59 @@ def _key(linears: list[nn.Linear], dtype: torch.dtype) -> str:
 def measure_kernels(model: nn.Module, budget_s: float = BUDGET_S, min_rounds: int = 3) -> dict:
     """Median seconds to run every switched linear layer of ``model`` once, per kernel and input rows.
 
-    -> {"one_row_s": {kernel: s}, "rows": {n: {"linear": s, "weight-major": s}}, "rounds": r}. All timings of a round
-    are interleaved in a rotated order, so load from other processes falls on all of them alike; rounds stop at the
-    budget (at least ``min_rounds``)."""
+    -> {"one_row_s": {kernel: s}, "rows": {n: {kernel: s}}, "rounds": r}, multi-row kernels being ``linear`` and
+    :data:`ROWS_KERNELS`. All timings of a round are interleaved in a rotated order, so load from other processes
+    falls on all of them alike; rounds stop at the budget (at least ``min_rounds``)."""
     linears = _switched(model)
     weight = linears[0].weight
     inputs = {d: torch.randn(max(ROW_SIZES), d, dtype=weight.dtype, device=weight.device,
                              generator=torch.Generator(weight.device).manual_seed(0))
               for d in {m.in_features for m in linears}}
+    switches = {("one_row", k): WeightMajorLinears(model, 0, k) for k in ONE_ROW_KERNELS}
+    for n in ROW_SIZES:
+        switches[n, "linear"] = WeightMajorLinears(model, 0)
+        switches.update({(n, k): WeightMajorLinears(model, max(ROW_SIZES), "linear", k) for k in ROWS_KERNELS})
 
-    def run(one_row: str, max_rows: int, rows: int) -> float:
-        with WeightMajorLinears(model, max_rows, one_row):
+    def run(case: tuple) -> float:
+        rows = 1 if case[0] == "one_row" else case[0]
+        with switches[case]:
             t0 = time.perf_counter()
             for m in linears:
                 m(inputs[m.in_features][:rows])
             return time.perf_counter() - t0
 
-    cases = [("one_row", k, 0, 1) for k in ONE_ROW_KERNELS]
-    cases += [(n, k, max(ROW_SIZES) if k == "weight-major" else 0, n) for n in ROW_SIZES
-              for k in ("linear", "weight-major")]
-    times: dict[tuple, list[float]] = {c[:2]: [] for c in cases}
-    for _, kernel, max_rows, rows in cases:  # warm-up: first-call allocations
-        run(kernel if rows == 1 else "linear", max_rows, rows)
+    cases = list(switches)
+    times: dict[tuple, list[float]] = {c: [] for c in cases}
+    for case in cases:  # warm-up: first-call allocations, weight packing
+        run(case)
     deadline, rounds = time.perf_counter() + budget_s, 0
     while rounds < min_rounds or time.perf_counter() < deadline:
         shift = rounds % len(cases)
-        for group, kernel, max_rows, rows in cases[shift:] + cases[:shift]:
-            times[group, kernel].append(run(kernel if rows == 1 else "linear", max_rows, rows))
+        for case in cases[shift:] + cases[:shift]:
+            times[case].append(run(case))
         rounds += 1
     median = {c: statistics.median(t) for c, t in times.items()}
     return {"one_row_s": {k: median["one_row", k] for k in ONE_ROW_KERNELS},
-            "rows": {n: {k: median[n, k] for k in ("linear", "weight-major")} for n in ROW_SIZES}, "rounds": rounds}
+            "rows": {n: {k: median[n, k] for k in ("linear", *ROWS_KERNELS)} for n in ROW_SIZES}, "rounds": rounds}
 
 
-def pick(measured: dict) -> tuple[str, int]:
-    """-> (the fastest one-row kernel, the largest row count up to which weight-major beats ``F.linear`` at every
-    measured size; 0 if it loses at 2 rows)."""
-    one_row = min(ONE_ROW_KERNELS, key=lambda k: measured["one_row_s"][k])
-    max_rows = 0
-    for n, t in sorted(measured["rows"].items(), key=lambda kv: int(kv[0])):
-        if t["weight-major"] >= t["linear"]:
-            break
-        max_rows = int(n)
-    return one_row, max_rows
+def pick(measured: dict) -> tuple[str, int, str]:
+    """-> (the fastest one-row kernel, the largest row count up to which the small-rows kernel beats ``F.linear`` at
+    every measured size (0 if it loses at 2 rows), that kernel: of the measured ones, the one whose winning range is
+    widest, then fastest over it)."""
+    one_row = min(measured["one_row_s"], key=lambda k: measured["one_row_s"][k])
+    sizes = sorted(measured["rows"].items(), key=lambda kv: int(kv[0]))
+    best = (0, 0.0, "weight-major")  # (max rows, -seconds over them, kernel)
+    for kernel in next(iter(measured["rows"].values())):
+        if kernel == "linear":
+            continue
+        max_rows, seconds = 0, 0.0
+        for n, t in sizes:
+            if t[kernel] >= t["linear"]:
+                break
+            max_rows, seconds = int(n), seconds + t[kernel]
+        best = max(best, (max_rows, -seconds, kernel))
+    return one_row, best[0], best[2]
 
 
 _CHOICES: dict[str, KernelChoice] = {}
@@ -177,12 +216,12 @@ def choose_kernels(model: nn.Module, remeasure: bool = False) -> KernelChoice:
 
     linears = _switched(model)
     if not linears:
-        return KernelChoice("linear", 0, "default")
+        return KernelChoice("linear", 0, "weight-major", "default")
     weight = linears[0].weight
     if weight.device.type != "cpu":
-        return KernelChoice("linear", 0, "gpu")
+        return KernelChoice("linear", 0, "weight-major", "gpu")
     if sum(m.weight.numel() * m.weight.element_size() for m in linears) < MEASURE_MIN_BYTES:
-        return KernelChoice(ONE_ROW_DEFAULTS.get(weight.dtype, "linear"), DEFAULT_MAX_ROWS, "default")
+        return KernelChoice(ONE_ROW_DEFAULTS.get(weight.dtype, "linear"), DEFAULT_MAX_ROWS, "weight-major", "default")
     key = _key(linears, weight.dtype)
     if key in _CHOICES and not remeasure:
         return _CHOICES[key]
@@ -190,7 +229,8 @@ def choose_kernels(model: nn.Module, remeasure: bool = False) -> KernelChoice:
     if path.is_file() and not remeasure:
         try:
             record = read_json(path, "kernel choice")
-            choice = _CHOICES[key] = KernelChoice(record["one_row"], int(record["max_rows"]), "cached")
+            choice = _CHOICES[key] = KernelChoice(record["one_row"], int(record["max_rows"]), record["rows_kernel"],
+                                                  "cached")
             return choice
         except (ValueError, KeyError, TypeError):
             log.warning("%s is damaged: measuring the kernels again", path)
@@ -202,6 +242,6 @@ def choose_kernels(model: nn.Module, remeasure: bool = False) -> KernelChoice:
               "dtype": str(weight.dtype), "torch": torch.__version__, "measure_s": time.perf_counter() - t0,
               "measured_at": time.strftime("%Y-%m-%d %H:%M")}
     atomic_write_json(path, record)
-    log.info("kernels: one row %s, weight-major up to %d rows (measured in %.0f s, cached in %s)", choice.one_row,
-             choice.max_rows, record["measure_s"], path)
+    log.info("kernels: one row %s, %s up to %d rows (measured in %.0f s, cached in %s)", choice.one_row,
+             choice.rows_kernel, choice.max_rows, record["measure_s"], path)
     return choice

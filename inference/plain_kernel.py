@@ -5,14 +5,14 @@
 A plain decode step feeds one token, so each of the target's linear layers multiplies one row. This times one decode
 step of our plain loop (:func:`griffin.plain.plain_generate`: the target's forward over one token after a
 ``--context``-token cache, its logits and the argmax) with each one-row kernel of :mod:`griffin.kernels`:
-``F.linear`` (what transformers runs), weight-major (W @ x^T), and the row padded to two rows through the two-row
-weight-major product. After a warm-up the kernels take turns step by step, in a rotated order each round, so that
-load from other processes falls on all of them alike; the table reports the median wall time and the median CPU
+``F.linear`` (what transformers runs), weight-major (W @ x^T), the row padded to two rows through the two-row
+weight-major product, and oneDNN over a packed weight (where torch has oneDNN). After a warm-up the kernels take
+turns step by step, in a rotated order each round, so that load from other processes falls on all of them alike; the table reports the median wall time and the median CPU
 time of this process per step (on a shared machine the CPU time is the steadier figure at one thread). It also
 checks that the plain loop writes the same tokens with every kernel.
 
 It also runs the measurement that :func:`griffin.kernels.choose_kernels` makes on each machine (every linear layer of
-the target over 1..16 rows, ``F.linear`` against weight-major) and reports the choice. Writes
+the target over 1..32 rows, ``F.linear`` against weight-major and oneDNN) and reports the choice. Writes
 ``benchmarks/results/plain-kernel.json`` and ``.md`` (``--out-dir`` for another machine's folder).
 """
 
@@ -88,7 +88,8 @@ def measure(model, ids: torch.Tensor, context: int, rounds: int, new_tokens: int
 
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in ONE_ROW_KERNELS}
     for r in tqdm(range(rounds + 3), desc="rounds", dynamic_ncols=True):
-        for k in ONE_ROW_KERNELS[r % 3:] + ONE_ROW_KERNELS[: r % 3]:
+        shift = r % len(ONE_ROW_KERNELS)
+        for k in ONE_ROW_KERNELS[shift:] + ONE_ROW_KERNELS[:shift]:
             t = step(k)
             if r >= 3:  # three warm-up rounds
                 times[k].append(t)
@@ -108,12 +109,13 @@ def table(result: dict) -> str:
                          f"{base['cpu_ms'] / k['cpu_ms']:.3f}x", "yes" if k["same_tokens_as_linear"] else "no",
                          "**fastest**" if name == result["best"][dtype] else ""])
     layer_rows = []
+    kernels = [k for k in next(iter(next(iter(result["layers"].values()))["rows"].values())) if k != "linear"]
     for dtype, layers in result["layers"].items():
         for n, t in layers["rows"].items():
-            layer_rows.append([dtype, n, 1000 * t["linear"], 1000 * t["weight-major"],
-                               f"{t['linear'] / t['weight-major']:.2f}x"])
-    choices = "; ".join(f"{dtype}: one row `{layers['choice']['one_row']}`, weight-major up to "
-                        f"{layers['choice']['max_rows']} rows" for dtype, layers in result["layers"].items())
+            layer_rows.append([dtype, n, 1000 * t["linear"], *(x for k in kernels for x in (
+                1000 * t[k], f"{t['linear'] / t[k]:.2f}x"))])
+    choices = "; ".join(f"{dtype}: one row `{c['one_row']}`, `{c['rows_kernel']}` up to {c['max_rows']} rows"
+                        for dtype, c in ((d, layers["choice"]) for d, layers in result["layers"].items()))
     machine = result["machine"]
     return (f"# One-row kernel of plain decoding\n\nOne decode step of our plain loop (one token after a "
             f"{result['context']}-token cache, logits, argmax), target {result['target']}; medians of "
@@ -124,7 +126,8 @@ def table(result: dict) -> str:
                               "speed vs F.linear (CPU)", "same tokens", ""], rows)
             + "\n## Small inputs: what `griffin.kernels.choose_kernels` measures\n\nEvery linear layer of the target "
             "once over n rows, medians of interleaved rounds (wall ms).\n\n"
-            + markdown_table(["dtype", "rows", "F.linear ms", "weight-major ms", "weight-major speed"], layer_rows)
+            + markdown_table(["dtype", "rows", "F.linear ms", *(h for k in kernels for h in (f"{k} ms", f"{k} speed"))],
+                             layer_rows)
             + f"\nChoice on this machine: {choices}.\n"
             + f"\nCommand: `{result['command']}`\n\nMachine: {machine['cpu']}, {machine['cores']} cores, "
             f"{machine['torch_threads']} torch threads, torch {machine['torch']}, {machine['date']}, load average "
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         result["dtypes"][dtype] = kernels
         result["best"][dtype] = min(kernels, key=lambda k: kernels[k]["cpu_ms"])
         layers = measure_kernels(model)
-        result["layers"][dtype] = {**layers, "choice": dict(zip(("one_row", "max_rows"), pick(layers)))}
+        result["layers"][dtype] = {**layers, "choice": dict(zip(("one_row", "max_rows", "rows_kernel"), pick(layers)))}
         del model
     result["machine"] = machine_info()
     result["command"] = command_line("inference.plain_kernel", args.argv)

@@ -154,8 +154,8 @@ def summarise(records: list[dict], args: argparse.Namespace, bench: str, gen: Sp
         "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
         "draft_dtype": str(gen.draft.fusion.fc.weight.dtype).removeprefix("torch."),
         "tree": {"depth": gen.depth, "top_k": gen.top_k, "total_tokens": gen.total_tokens, "lookup": gen.lookup},
-        "kernels": {"one_row": gen.weight_major.one_row, "weight_major_rows": gen.weight_major.max_rows,
-                    "source": gen.backend.kernels.source},
+        "kernels": {"one_row": gen.weight_major.one_row, "rows_kernel": gen.weight_major.rows_kernel,
+                    "max_rows": gen.weight_major.max_rows, "source": gen.backend.kernels.source},
         "n_questions": len({r["question_id"] for r in records}), "n_prompts": len(records),
         "tau": tokens["ours"] / cycles if cycles else None,  # new tokens per verification pass
         "tokens_per_s": tokens["ours"] / seconds["ours"],

@@ -319,7 +319,8 @@ def target_features(target: PreTrainedModel, prompt: torch.Tensor, continuation:
     dtype = target.get_output_embeddings().weight.dtype
     p, rest = prompt.shape[0], continuation[:-1]
     cache = BufferCache(target.config.get_text_config().num_hidden_layers, p + rest.shape[0])
-    weight_major = WeightMajorLinears(target, choose_kernels(target).max_rows)
+    kernels = choose_kernels(target)
+    weight_major = WeightMajorLinears(target, kernels.max_rows, "linear", kernels.rows_kernel)
     hidden = []
     for start, tokens in ((0, prompt), (p, rest)):
         q = tokens.shape[0]

@@ -61,8 +61,9 @@ def test_a_whole_model_gives_the_same_logits_and_nothing_is_switched_when_off():
         hooked = model.lm_head
         hooked.forward = hooked.forward  # an instance-level forward, as accelerate's hooks install
         assert hooked not in WeightMajorLinears(model, max_rows=8).linears
-    assert choose_kernels(model) == KernelChoice("pad", kernels.DEFAULT_MAX_ROWS, "default")  # too small to time
-    assert choose_kernels(tiny_model("llama").to("meta")) == KernelChoice("linear", 0, "default")  # nothing to switch
+    too_small = KernelChoice("pad", kernels.DEFAULT_MAX_ROWS, "weight-major", "default")
+    assert choose_kernels(model) == too_small  # too small to time
+    assert choose_kernels(tiny_model("llama").to("meta")).max_rows == 0  # nothing to switch
 
 
 @pytest.mark.parametrize("kernel", ONE_ROW_KERNELS)
@@ -119,12 +120,39 @@ def test_one_token_target_forwards_take_plain_decodings_kernel(monkeypatch):
     assert TargetBackend(model, weight_major_rows=0).weight_major.one_row == "pad"  # one token even with rows off
 
 
-def test_pick_takes_the_fastest_one_row_kernel_and_the_rows_where_weight_major_wins_throughout():
-    rows = {"2": {"linear": 2.0, "weight-major": 1.0}, "3": {"linear": 2.0, "weight-major": 1.5},
-            "4": {"linear": 2.0, "weight-major": 2.5}, "6": {"linear": 3.0, "weight-major": 1.0}}
-    assert pick({"one_row_s": {"linear": 1.0, "weight-major": 0.9, "pad": 1.1}, "rows": rows}) == ("weight-major", 3)
-    rows["2"]["weight-major"] = 2.0  # a tie at two rows: F.linear everywhere
-    assert pick({"one_row_s": {"linear": 1.0, "weight-major": 1.2, "pad": 1.1}, "rows": rows}) == ("linear", 0)
+def test_pick_takes_the_fastest_one_row_kernel_and_the_small_rows_kernel_that_wins_widest():
+    rows = {"2": {"linear": 2.0, "weight-major": 1.0, "onednn": 1.5}, "3": {"linear": 2.0, "weight-major": 1.5,
+            "onednn": 1.0}, "4": {"linear": 2.0, "weight-major": 2.5, "onednn": 1.9},
+            "6": {"linear": 3.0, "weight-major": 1.0, "onednn": 3.5}}
+    one_row = {"linear": 1.0, "weight-major": 0.9, "pad": 1.1, "onednn": 0.95}
+    assert pick({"one_row_s": one_row, "rows": rows}) == ("weight-major", 4, "onednn")  # wins at 2, 3 and 4 rows
+    rows["4"]["onednn"] = 2.5  # both win up to 3 rows: the faster over them
+    rows["3"]["onednn"] = 0.8
+    assert pick({"one_row_s": one_row, "rows": rows})[1:] == (3, "onednn")  # 2.3 s against 2.5 s
+    rows["3"]["onednn"] = 1.6
+    assert pick({"one_row_s": one_row, "rows": rows})[1:] == (3, "weight-major")  # 3.1 s against 2.5 s
+    rows["2"] = {"linear": 2.0, "weight-major": 2.0, "onednn": 2.1}  # nothing beats F.linear at two rows
+    assert pick({"one_row_s": {"linear": 1.0, "weight-major": 1.2, "pad": 1.1}, "rows": rows})[:2] == ("linear", 0)
+
+
+@pytest.mark.skipif(not kernels.ONEDNN, reason="this torch has no oneDNN")
+def test_onednn_kernel_gives_the_values_of_f_linear_and_repacks_changed_weights():
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 96).eval()
+    with torch.inference_mode():
+        x = torch.randn(1, 5, 48)
+        expected = F.linear(x, layer.weight, layer.bias)
+        with WeightMajorLinears(layer, max_rows=8, one_row="onednn", rows_kernel="onednn"):
+            torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(layer(x[:, :1]), expected[:, :1], rtol=1e-5, atol=1e-5)
+        first = kernels.packed_weight(layer)
+        assert kernels.packed_weight(layer) is first  # packed once
+        layer.weight.mul_(2)  # an in-place change: packed again
+        with WeightMajorLinears(layer, max_rows=8, rows_kernel="onednn"):
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert kernels.packed_weight(layer) is not first and "packed" not in vars(layer)
+    with pytest.raises(ValueError, match="rows_kernel"):
+        WeightMajorLinears(layer, 8, rows_kernel="pad")
 
 
 def test_kernels_are_measured_once_per_machine_and_model_then_read_from_the_cache(tmp_path, monkeypatch, caplog):
@@ -138,12 +166,15 @@ def test_kernels_are_measured_once_per_machine_and_model_then_read_from_the_cach
     assert first.max_rows in (0, *kernels.ROW_SIZES)
     [record] = (tmp_path / "kernels").glob("*.json")
     saved = json.loads(record.read_text())
-    assert (saved["one_row"], saved["max_rows"]) == pick(saved) == (first.one_row, first.max_rows)
+    assert (saved["one_row"], saved["max_rows"], saved["rows_kernel"]) == pick(saved) == (
+        first.one_row, first.max_rows, first.rows_kernel)
     assert saved["rounds"] >= 3 and set(saved["one_row_s"]) == set(ONE_ROW_KERNELS)
+    assert all(set(saved["rows"][str(n)]) == {"linear", *kernels.ROWS_KERNELS} for n in kernels.ROW_SIZES)
     assert all(t > 0 for n in kernels.ROW_SIZES for t in saved["rows"][str(n)].values())
     monkeypatch.setattr(kernels, "_CHOICES", {})  # a new process: the file answers
-    assert choose_kernels(model) == KernelChoice(first.one_row, first.max_rows, "cached")
-    assert choose_kernels(model) == KernelChoice(first.one_row, first.max_rows, "cached")  # now from memory
+    cached = KernelChoice(first.one_row, first.max_rows, first.rows_kernel, "cached")
+    assert choose_kernels(model) == cached
+    assert choose_kernels(model) == cached  # now from memory
     monkeypatch.setattr(kernels, "_CHOICES", {})
     record.write_text("{broken")
     with caplog.at_level(logging.WARNING, logger="griffin.kernels"):
