@@ -35,7 +35,18 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-ONEDNN = torch.backends.mkldnn.is_available()  # x86 builds of torch; elsewhere the oneDNN kernel is not offered
+
+
+def _onednn_packs(weight: torch.Tensor) -> bool:
+    """Whether this torch build packs and multiplies a weight of this dtype with oneDNN."""
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach()[:2, :2].contiguous(), 1)
+        return torch.ops.mkldnn._linear_pointwise(weight.new_ones(1, 2), packed, None, "none", [], "").shape == (1, 2)
+    except (AttributeError, NotImplementedError, RuntimeError):  # no such operator, or not for this dtype
+        return False
+
+
+ONEDNN = torch.backends.mkldnn.is_available() and _onednn_packs(torch.ones(2, 2))  # elsewhere: not offered
 ONE_ROW_KERNELS = ("linear", "weight-major", "pad") + (("onednn",) if ONEDNN else ())
 ROWS_KERNELS = ("weight-major",) + (("onednn",) if ONEDNN else ())
 # Unmeasured fallbacks (models too small to measure): the AMD EPYC's winners (benchmarks/results/plain-kernel.md and
@@ -151,17 +162,20 @@ def measure_kernels(model: nn.Module, budget_s: float = BUDGET_S, min_rounds: in
     """Median seconds to run every switched linear layer of ``model`` once, per kernel and input rows.
 
     -> {"one_row_s": {kernel: s}, "rows": {n: {kernel: s}}, "rounds": r}, multi-row kernels being ``linear`` and
-    :data:`ROWS_KERNELS`. All timings of a round are interleaved in a rotated order, so load from other processes
-    falls on all of them alike; rounds stop at the budget (at least ``min_rounds``)."""
+    :data:`ROWS_KERNELS` (oneDNN only where it takes the model's dtype). All timings of a round are interleaved in a
+    rotated order, so load from other processes falls on all of them alike; rounds stop at the budget (at least
+    ``min_rounds``)."""
     linears = _switched(model)
     weight = linears[0].weight
     inputs = {d: torch.randn(max(ROW_SIZES), d, dtype=weight.dtype, device=weight.device,
                              generator=torch.Generator(weight.device).manual_seed(0))
               for d in {m.in_features for m in linears}}
-    switches = {("one_row", k): WeightMajorLinears(model, 0, k) for k in ONE_ROW_KERNELS}
+    offered = [k for k in ONE_ROW_KERNELS if k != "onednn" or _onednn_packs(weight)]
+    switches = {("one_row", k): WeightMajorLinears(model, 0, k) for k in offered}
     for n in ROW_SIZES:
         switches[n, "linear"] = WeightMajorLinears(model, 0)
-        switches.update({(n, k): WeightMajorLinears(model, max(ROW_SIZES), "linear", k) for k in ROWS_KERNELS})
+        switches.update({(n, k): WeightMajorLinears(model, max(ROW_SIZES), "linear", k)
+                         for k in ROWS_KERNELS if k in offered})
 
     def run(case: tuple) -> float:
         rows = 1 if case[0] == "one_row" else case[0]
@@ -182,8 +196,9 @@ def measure_kernels(model: nn.Module, budget_s: float = BUDGET_S, min_rounds: in
             times[case].append(run(case))
         rounds += 1
     median = {c: statistics.median(t) for c, t in times.items()}
-    return {"one_row_s": {k: median["one_row", k] for k in ONE_ROW_KERNELS},
-            "rows": {n: {k: median[n, k] for k in ("linear", *ROWS_KERNELS)} for n in ROW_SIZES}, "rounds": rounds}
+    return {"one_row_s": {k: median["one_row", k] for k in offered},
+            "rows": {n: {k: median[n, k] for k in ("linear", *ROWS_KERNELS) if k in offered or k == "linear"}
+                     for n in ROW_SIZES}, "rounds": rounds}
 
 
 def pick(measured: dict) -> tuple[str, int, str]:

@@ -7,9 +7,10 @@ step of our plain loop (:func:`griffin.plain.plain_generate`: the target's forwa
 ``--context``-token cache, its logits and the argmax) with each one-row kernel of :mod:`griffin.kernels`:
 ``F.linear`` (what transformers runs), weight-major (W @ x^T), the row padded to two rows through the two-row
 weight-major product, and oneDNN over a packed weight (where torch has oneDNN). After a warm-up the kernels take
-turns step by step, in a rotated order each round, so that load from other processes falls on all of them alike; the table reports the median wall time and the median CPU
-time of this process per step (on a shared machine the CPU time is the steadier figure at one thread). It also
-checks that the plain loop writes the same tokens with every kernel.
+turns step by step, in a rotated order each round, so that load from other processes falls on all of them alike;
+the table reports the median wall time and the median CPU time of this process per step (on a shared machine the CPU
+time is the steadier figure at one thread). It also checks that the plain loop writes the same tokens with every
+kernel.
 
 It also runs the measurement that :func:`griffin.kernels.choose_kernels` makes on each machine (every linear layer of
 the target over 1..32 rows, ``F.linear`` against weight-major and oneDNN) and reports the choice. Writes
