@@ -31,6 +31,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 
+import numpy
 import torch
 
 from .io import atomic_write_json, read_json
@@ -230,11 +231,7 @@ def _check(gen, clock: _Clock, best: tuple[int, int], max_new_tokens: int) -> di
 def interpolate(costs: dict[int, float], n: int) -> float:
     """t(n) from the measured sizes: linear between the two nearest, the nearest end outside them."""
     sizes = sorted(costs)
-    below = max((s for s in sizes if s <= n), default=sizes[0])
-    above = min((s for s in sizes if s >= n), default=sizes[-1])
-    if below == above:
-        return costs[below]
-    return costs[below] + (costs[above] - costs[below]) * (n - below) / (above - below)
+    return float(numpy.interp(n, sizes, [costs[s] for s in sizes]))
 
 
 def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64) -> dict:

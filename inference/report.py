@@ -16,14 +16,10 @@ def machine_info() -> dict:
     import torch
     import transformers
 
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as handle:
-            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    from griffin.kernels import cpu_name
+
     info = {
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
