@@ -2,11 +2,13 @@
 
 Bounded in time (``budget_s``, 30 s by default; a progress bar shows it) and robust to a busy machine:
 
-1. Calibration (45 % of the budget): a few generic requests (not evaluation questions) are generated greedily with a
-   large tree; for every cycle the draft-score rank and depth of each node on the accepted path are recorded. A
+1. Calibration (45 % of the budget): a few generic requests (not evaluation questions) are generated with a large
+   tree at the temperature being tuned for (greedily at 0, else sampled with fixed seeds); for every cycle the draft-score rank and depth of each node on the accepted path are recorded. A
    smaller tree of ``N`` nodes and depth ``d`` is the ``N`` best-ranked nodes of depth <= d of the same candidates, so
    the tokens it would have accepted follow from those ranks (never more than the large tree accepted: the measured
-   acceptance bounds every estimate). The head's cost per drafting level and the per-cycle overhead are timed too.
+   acceptance bounds every estimate). When sampling the estimate holds in distribution: the verifier draws one token
+   per node from the target and follows the child that carries it (:class:`griffin.verify.TreeSampling`), so with the
+   same draws a cut tree would accept the prefix of the traced path that it kept. The head's cost per drafting level and the per-cycle overhead are timed too.
    With a prompt-lookup chain of K tokens (``lookup=K``) the calibration trees carry it, and a smaller tree keeps the
    path's nodes that the chain spells, whether the head drafted them too or not. K itself is not tuned: the
    calibration requests are first turns, where little text repeats, so they would undervalue the chain (on MT-Bench
@@ -19,13 +21,19 @@ Bounded in time (``budget_s``, 30 s by default; a progress bar shows it) and rob
    the faster by median wins, so the choice is never worse than the default. Too little calibration data also falls
    back to the default.
 
-The choice is cached per machine, target, dtype and head under ``<griffin cache>/autotune/`` with the reason for it;
-``retune=True`` (``--retune`` on the commands) measures again, ``total_tokens=N`` skips the tuning.
+**Temperature.** Sampling accepts far less than greedy decoding (on MT-Bench with the embedded target, τ about 1.5 at
+T=1 against 3 at T=0), so the best tree differs: a tree is tuned per temperature band (:func:`temperature_band`: 0
+for greedy, else the temperature rounded to 0.1). :class:`griffin.SpecGenerator` tunes the greedy tree when it is
+loaded and a sampled band the first time a generation asks for it.
+
+The choice is cached per machine, target, dtype, head and temperature band under ``<griffin cache>/autotune/`` with
+the reason for it; ``retune=True`` (``--retune`` on the commands) measures again, ``total_tokens=N`` skips the tuning.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import statistics
 import time
@@ -55,12 +63,17 @@ BUDGET_S = 30.0
 SPLIT = {"calibration": 0.45, "forward cost": 0.25, "check": 0.30}
 
 
-def _key(gen) -> str:
+def temperature_band(temperature: float) -> float:
+    """The temperature a tree is tuned at for generations at ``temperature``: 0 (greedy) or it rounded to 0.1."""
+    return 0.0 if temperature == 0 else max(0.1, round(float(temperature), 1))
+
+
+def _key(gen, temperature: float) -> str:
     weight = gen.draft.fusion.fc.weight.detach().float().cpu().numpy().tobytes()
     parts = [target_fingerprint(gen.target.config), str(gen.lm_head.weight.dtype), str(gen.device),
              cpu_name(), str(torch.get_num_threads()), str(gen.top_k),
              str(gen.weight_major.max_rows), gen.weight_major.one_row, gen.weight_major.rows_kernel, str(gen.lookup),
-             hashlib.sha256(weight).hexdigest()[:16]]
+             f"T={temperature}", hashlib.sha256(weight).hexdigest()[:16]]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 
@@ -174,9 +187,17 @@ def _calibration_prompts(gen) -> Iterator[torch.Tensor]:
             yield gen.encode(prompt)
 
 
-def _calibrate(gen, clock: _Clock, max_new_tokens: int) -> tuple[list, dict]:
-    from .generator import GenerationStats
+def _sampling(gen, temperature: float, seed: int) -> tuple:
+    """-> (SamplingConfig, torch.Generator or None) of a calibration generation at ``temperature``."""
     from .sampling import SamplingConfig
+
+    if temperature == 0:
+        return SamplingConfig(), None
+    return SamplingConfig(temperature), torch.Generator(device=gen.device).manual_seed(seed)
+
+
+def _calibrate(gen, clock: _Clock, max_new_tokens: int, temperature: float) -> tuple[list, dict]:
+    from .generator import GenerationStats
 
     deadline = clock.deadline("calibration")
     trace: list = []
@@ -184,9 +205,10 @@ def _calibrate(gen, clock: _Clock, max_new_tokens: int) -> tuple[list, dict]:
     saved = gen.depth, gen.total_tokens, gen.timing
     gen.depth, gen.total_tokens, gen.timing = MAX_DEPTH, MAX_TOTAL, True  # the draft time per cycle is needed
     try:
-        for ids in _calibration_prompts(gen):
+        for seed, ids in enumerate(_calibration_prompts(gen)):
             stats = GenerationStats()
-            for _ in gen._steps(ids, max_new_tokens, SamplingConfig(), gen.eos_ids(None), None, stats, trace=trace):
+            sampling, generator = _sampling(gen, temperature, seed)
+            for _ in gen._steps(ids, max_new_tokens, sampling, gen.eos_ids(None), generator, stats, trace=trace):
                 clock.tick("calibration")
                 if time.perf_counter() > deadline:
                     break
@@ -201,27 +223,30 @@ def _calibrate(gen, clock: _Clock, max_new_tokens: int) -> tuple[list, dict]:
     return trace, totals
 
 
-def _seconds_per_token(gen, ids: torch.Tensor, tree: tuple[int, int], max_new_tokens: int) -> float:
+def _seconds_per_token(gen, ids: torch.Tensor, tree: tuple[int, int], max_new_tokens: int, temperature: float,
+                       seed: int) -> float:
     saved = gen.depth, gen.total_tokens
     gen.depth, gen.total_tokens = tree
     try:
         _sync(gen.device)
         t0 = time.perf_counter()
-        out = gen.generate(ids, max_new_tokens=max_new_tokens)
+        out = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
         _sync(gen.device)
         return (time.perf_counter() - t0) / out.stats.new_tokens
     finally:
         gen.depth, gen.total_tokens = saved
 
 
-def _check(gen, clock: _Clock, best: tuple[int, int], max_new_tokens: int) -> dict[tuple[int, int], float]:
-    """Median seconds per token of the best candidate and the default tree, generated in turns."""
+def _check(gen, clock: _Clock, best: tuple[int, int], max_new_tokens: int,
+           temperature: float) -> dict[tuple[int, int], float]:
+    """Median seconds per token of the best candidate and the default tree, generated in turns (when sampling, both
+    with the same seed in each turn)."""
     ids = next(_calibration_prompts(gen))
     deadline = clock.deadline("check")
     times: dict[tuple[int, int], list[float]] = {best: [], DEFAULT_TREE: []}
-    while True:
+    for turn in itertools.count():
         for tree in (DEFAULT_TREE, best):
-            times[tree].append(_seconds_per_token(gen, ids, tree, max_new_tokens))
+            times[tree].append(_seconds_per_token(gen, ids, tree, max_new_tokens, temperature, turn))
             clock.tick("check")
         if len(times[best]) >= 5 or time.perf_counter() > deadline:
             break
@@ -234,16 +259,18 @@ def interpolate(costs: dict[int, float], n: int) -> float:
     return float(numpy.interp(n, sizes, [costs[s] for s in sizes]))
 
 
-def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64) -> dict:
-    """Measure and choose; -> the choice with its reason and measurements (see the module docstring)."""
+def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperature: float = 0.0) -> dict:
+    """Measure and choose for generations at ``temperature``; -> the choice with its reason and measurements (see the
+    module docstring)."""
     budget_s = budget_s or BUDGET_S
     clock = _Clock(budget_s)
     try:
-        gen.generate(next(_calibration_prompts(gen)), max_new_tokens=4)  # one-time costs of the first calls: untimed
-        trace, totals = _calibrate(gen, clock, max_new_tokens)
+        # one-time costs of the first calls: untimed
+        gen.generate(next(_calibration_prompts(gen)), max_new_tokens=4, temperature=temperature, seed=0)
+        trace, totals = _calibrate(gen, clock, max_new_tokens, temperature)
         cycles = totals["cycles"]
         measured_tau = (totals["new_tokens"] / cycles) if cycles else 1.0
-        choice: dict = {"top_k": gen.top_k, "calibration_cycles": cycles, "calibration_tau": measured_tau,
+        choice: dict = {"top_k": gen.top_k, "temperature": temperature, "calibration_cycles": cycles, "calibration_tau": measured_tau,
                         "budget_s": budget_s}
         if cycles < MIN_CYCLES:
             depth, total = DEFAULT_TREE
@@ -269,7 +296,7 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64) -> dict:
         default = next(row for row in table if (row["depth"], row["total_tokens"]) == DEFAULT_TREE)
         measured = {}
         if pick != DEFAULT_TREE:
-            measured = _check(gen, clock, pick, 16)
+            measured = _check(gen, clock, pick, 16, temperature)
             if measured[DEFAULT_TREE] < measured[pick]:
                 reason = (f"the default tree: measured {measured[pick] / measured[DEFAULT_TREE]:.2f}x slower per "
                           f"token than it, the best estimate ({pick[1]} nodes, depth {pick[0]}) lost")
@@ -290,14 +317,17 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64) -> dict:
 
 
 def _describe(choice: dict) -> str:
-    lookup = choice.get("lookup", 0)
-    return f"{choice['total_tokens']} nodes, depth {choice['depth']}" + (f" + lookup {lookup}" if lookup else "")
+    lookup, temperature = choice.get("lookup", 0), choice.get("temperature", 0)
+    return (f"{choice['total_tokens']} nodes, depth {choice['depth']}" + (f" + lookup {lookup}" if lookup else "")
+            + (f" at T={temperature}" if temperature else ""))
 
 
-def autotune(gen, retune: bool = False, budget_s: float | None = None) -> tuple[int, int, int]:
-    """-> (depth, top_k, total_tokens) for ``gen``'s target, head and lookup chain on this machine (tuned once, then
-    cached)."""
-    path = cache_dir() / "autotune" / f"{_key(gen)}.json"
+def autotune(gen, retune: bool = False, budget_s: float | None = None,
+             temperature: float = 0.0) -> tuple[int, int, int]:
+    """-> (depth, top_k, total_tokens) for ``gen``'s target, head and lookup chain on this machine, for generations
+    at ``temperature`` (tuned once per temperature band, then cached)."""
+    temperature = temperature_band(temperature)
+    path = cache_dir() / "autotune" / f"{_key(gen, temperature)}.json"
     if path.is_file() and not retune:
         try:
             choice = read_json(path, "tuning record")
@@ -306,9 +336,9 @@ def autotune(gen, retune: bool = False, budget_s: float | None = None) -> tuple[
             return choice["depth"], choice["top_k"], choice["total_tokens"]
         except (ValueError, KeyError, TypeError):
             log.warning("%s is damaged: tuning again", path)
-    log.info("tuning the draft tree for this machine and head (at most %.0f s, once; --total-tokens N skips it)",
-             budget_s or BUDGET_S)
-    choice = tune(gen, budget_s)
+    log.info("tuning the draft tree for this machine and head%s (at most %.0f s, once; --total-tokens N skips it)",
+             f" at T={temperature}" if temperature else "", budget_s or BUDGET_S)
+    choice = tune(gen, budget_s, temperature=temperature)
     choice["tuned_at"] = time.strftime("%Y-%m-%d %H:%M")
     atomic_write_json(path, choice)
     log.info("draft tree: %s, chosen in %.0f s: %s (cached in %s)", _describe(choice), choice["tuning_s"],

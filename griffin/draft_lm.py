@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from .chain import ChainVerifier
 from .family import output_logits
-from .io import atomic_write_json
+from .io import atomic_write_json, read_json
 from .kernels import cpu_name
 from .kv_cache import BufferCache
 from .sampling import SamplingConfig, sample, warp
@@ -235,13 +235,13 @@ CALIBRATION_TOKENS = 64
 MAX_GAMMA = 8
 
 
-def _tuning_key(gen) -> str:
+def _tuning_key(gen, temperature: float) -> str:
     lm = gen.draft.model
     probe = [p.detach().float().flatten()[:4096].cpu() for p in list(lm.parameters())[:8]]
     parts = [target_fingerprint(gen.target.config), str(gen.backend.lm_head.weight.dtype), str(gen.device),
              cpu_name(), str(torch.get_num_threads()), str(gen.weight_major.max_rows),
              gen.weight_major.one_row, gen.weight_major.rows_kernel,
-             str(lm.num_parameters()), str(None if gen.draft.vocab is None else len(gen.draft.vocab)),
+             str(lm.num_parameters()), str(None if gen.draft.vocab is None else len(gen.draft.vocab)), f"T={temperature}",
              hashlib.sha256(torch.cat(probe).numpy().tobytes()).hexdigest()[:16]]
     return "draft-lm-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
@@ -273,25 +273,33 @@ def measured_alpha(hist: dict[int, int], gamma: int) -> float:
     return accepted / max(accepted + rejected, 1)
 
 
-def tune_gamma(gen, max_gamma: int = MAX_GAMMA) -> dict:
-    """γ with the best expected speedup ``τ(γ)·t(1) / (γ·draft + t(γ+1))`` on this machine: the target's forward-cost
-    curve t(n), the draft's step cost, and α measured greedily on calibration prompts (cached per machine)."""
-    from .autotune import CALIBRATION, forward_cost
+def tune_gamma(gen, max_gamma: int = MAX_GAMMA, temperature: float = 0.0, retune: bool = False) -> dict:
+    """γ with the best expected speedup ``τ(γ)·t(1) / (γ·draft + t(γ+1))`` on this machine for generations at
+    ``temperature``: the target's forward-cost curve t(n), the draft's step cost, and α measured on calibration prompts
+    at the temperature's band (:func:`griffin.autotune.temperature_band`; sampled with fixed seeds), cached per machine
+    and band; ``retune`` measures again."""
+    from .autotune import CALIBRATION, _sampling, forward_cost, temperature_band
     from .generator import GenerationStats
 
-    path = cache_dir() / "autotune" / f"{_tuning_key(gen)}.json"
-    if path.is_file():
-        return json.loads(path.read_text())
-    log.info("tuning the draft LM's chain length for this machine (once; cached in %s)", path)
+    temperature = temperature_band(temperature)
+    path = cache_dir() / "autotune" / f"{_tuning_key(gen, temperature)}.json"
+    if path.is_file() and not retune:
+        try:
+            return read_json(path, "tuning record")
+        except ValueError:
+            log.warning("%s is damaged: tuning again", path)
+    log.info("tuning the draft LM's chain length for this machine%s (once; cached in %s)",
+             f" at T={temperature}" if temperature else "", path)
     costs = forward_cost(gen, list(range(1, max_gamma + 2)))
     step = draft_step_cost(gen.draft)
     saved, gen.gamma = gen.gamma, max_gamma
     hist: dict[int, int] = {}
     try:
-        for prompt in CALIBRATION:
+        for seed, prompt in enumerate(CALIBRATION):
             stats = GenerationStats()
             ids = gen.encode([{"role": "user", "content": prompt}])
-            for _ in gen._steps(ids, CALIBRATION_TOKENS, SamplingConfig(), gen.eos_ids(None), None, stats):
+            sampling, generator = _sampling(gen, temperature, seed)
+            for _ in gen._steps(ids, CALIBRATION_TOKENS, sampling, gen.eos_ids(None), generator, stats):
                 pass
             for count, n in stats.accepted_hist.items():
                 hist[count] = hist.get(count, 0) + n
@@ -303,9 +311,10 @@ def tune_gamma(gen, max_gamma: int = MAX_GAMMA) -> dict:
               "speedup": expected_tokens(alpha, g) * costs[1] / (g * step + costs[g + 1])}
              for g in range(1, max_gamma + 1)]
     best = max(table, key=lambda row: row["speedup"])
-    choice = {"gamma": best["gamma"], "alpha": alpha, "expected_tau": best["tau"],
+    choice = {"gamma": best["gamma"], "temperature": temperature, "alpha": alpha, "expected_tau": best["tau"],
               "expected_speedup_vs_plain_forward": best["speedup"], "draft_step_s": step,
               "forward_cost_s": costs, "candidates": table}
     atomic_write_json(path, choice)
-    log.info("draft LM: gamma %d (alpha %.2f, expected tau %.2f)", best["gamma"], alpha, best["tau"])
+    log.info("draft LM: gamma %d%s (alpha %.2f, expected tau %.2f)", best["gamma"],
+             f" at T={temperature}" if temperature else "", alpha, best["tau"])
     return choice

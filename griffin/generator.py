@@ -120,6 +120,11 @@ class SpecGenerator:
         self.draft_path: Path | None = None  # the folder the head was loaded from, if any
         self._drafter: HeadDrafter | DraftLMDrafter | None = None
         self._busy = False  # a generation is using the shared KV buffer and drafter
+        self.autotuned = False  # the tree (or gamma) follows each generation's temperature band (see tune_for)
+        self._retune = False  # measure each band again once (retune=True) instead of reading this machine's record
+        self._retuned: set[float] = set()  # the bands measured again so far
+        self._band: float | None = None  # the temperature band the current tree (or gamma) was tuned for
+        self._tuning = False
 
     @classmethod
     def from_pretrained(cls, target: str | os.PathLike | PreTrainedModel = EMBEDDED_TARGET,
@@ -136,7 +141,9 @@ class SpecGenerator:
         pass ``tokenizer``); ``draft``: a head folder, a :class:`DraftModel`, or None for the head shipped for the
         target. ``total_tokens="auto"`` (the default) picks the tree size and depth that maximise the speedup on this
         machine (measured once in under a minute, then cached; ``retune=True`` measures again), overriding
-        ``depth``; pass an int to fix the tree and skip tuning.
+        ``depth``; pass an int to fix the tree and skip tuning. The tree is tuned per temperature band (sampling
+        accepts less than greedy decoding): for greedy decoding when loaded, and for a sampled band the first time a
+        generation asks for it (:meth:`tune_for`).
         ``draft_dtype="auto"`` runs the head in bf16 where the hardware computes it natively (see
         :func:`fast_draft_dtype`); the head's dtype changes which tokens are drafted, never the output.
         ``weight_major_rows``: verification passes of up to this many tokens compute the target's linear layers
@@ -148,8 +155,8 @@ class SpecGenerator:
         ``draft_model``: a standalone draft LM instead of a head (classic speculative sampling): a folder (e.g. from
         ``python -m training.distill``) or a loaded HF causal LM that uses the target's tokenizer (checked first:
         :func:`griffin.compat.check_compatible`). It drafts chains of ``gamma`` tokens; ``gamma="auto"`` (the default)
-        picks the length with the best expected speedup from measured costs and acceptance (cached, like the tree
-        size).
+        picks the length with the best expected speedup from measured costs and acceptance (cached and tuned per
+        temperature band, like the tree size).
 
         ``lookup``: add to every head tree a chain of this many tokens copied from the context (prompt lookup,
         :class:`griffin.drafters.PromptLookup`), which the target verifies in the same pass; 0 (the default) adds
@@ -177,7 +184,7 @@ class SpecGenerator:
         check_target(model)
         if draft_model is not None:
             return cls._with_draft_lm(model, tokenizer, draft_model, gamma, draft_dtype, weight_major_rows, timing,
-                                      compile)
+                                      compile, retune)
         if draft is None:
             draft = default_head(target_name)
         draft_path = None
@@ -192,16 +199,14 @@ class SpecGenerator:
         gen.draft_path = draft_path
         gen.lookup = lookup
         if total_tokens == "auto":
-            from .autotune import autotune
-
-            gen.depth, gen.top_k, gen.total_tokens = autotune(gen, retune=retune)
+            gen.follow_temperature(retune)
         return gen
 
     @classmethod
     def _with_draft_lm(cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                        draft_model: str | os.PathLike | PreTrainedModel, gamma: int | str,
                        draft_dtype: str | torch.dtype | None, weight_major_rows: int | None,
-                       timing: bool, compile: str | dict | None) -> SpecGenerator:
+                       timing: bool, compile: str | dict | None, retune: bool) -> SpecGenerator:
         device = next(model.parameters()).device
         dtype = None if draft_dtype == "auto" else resolve_dtype(draft_dtype)
         vocab, draft_path = None, None
@@ -223,10 +228,38 @@ class SpecGenerator:
                   gamma=1 if gamma == "auto" else gamma)
         gen.draft_path = draft_path
         if gamma == "auto":
-            from .draft_lm import tune_gamma
-
-            gen.gamma = tune_gamma(gen)["gamma"]
+            gen.follow_temperature(retune)
         return gen
+
+    # --- tuning --------------------------------------------------------------------------------------------------
+
+    def follow_temperature(self, retune: bool = False) -> None:
+        """From now on choose the tree (a draft LM's gamma) per generation from what this machine measured for its
+        temperature band (:mod:`griffin.autotune`); tune the greedy one now. ``retune``: measure every band again, once.
+        Setting ``depth``/``total_tokens``/``gamma`` by hand afterwards holds until a generation changes the band."""
+        self.autotuned, self._band, self._retune, self._retuned = True, None, retune, set()
+        self.tune_for(0.0)
+
+    def tune_for(self, temperature: float) -> None:
+        """Use the tree (gamma) tuned for ``temperature``'s band, measuring it first (about 30 s, once per machine)
+        if it was never tuned here. A no-op unless :meth:`follow_temperature` is on (``total_tokens="auto"``)."""
+        from .autotune import autotune, temperature_band
+        from .draft_lm import tune_gamma
+
+        band = temperature_band(temperature)
+        if not self.autotuned or self._tuning or band == self._band:
+            return
+        retune = self._retune and band not in self._retuned
+        self._tuning = True  # the tuner's own generations keep the tree it sets
+        try:
+            if isinstance(self.draft, DraftLM):
+                self.gamma = tune_gamma(self, temperature=band, retune=retune)["gamma"]
+            else:
+                self.depth, self.top_k, self.total_tokens = autotune(self, retune=retune, temperature=band)
+        finally:
+            self._tuning = False
+        self._retuned.add(band)
+        self._band = band
 
     # --- inputs --------------------------------------------------------------------------------------------------
 
@@ -403,6 +436,7 @@ class SpecGenerator:
                 generator.seed()
             else:
                 generator.manual_seed(int(seed))
+        self.tune_for(sampling.temperature)
         return ids, max_new_tokens, sampling, generator
 
     def generate(self, inputs, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,

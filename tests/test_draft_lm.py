@@ -154,3 +154,9 @@ def test_gamma_auto_is_chosen_from_measured_costs_and_cached(tiny_target_dir, tm
     assert best["gamma"] == gen.gamma and len(choice["candidates"]) == 8
     again = SpecGenerator.from_pretrained(str(tiny_target_dir), draft_model=tmp_path / "student", gamma="auto")
     assert again.gamma == gen.gamma and len(list((tmp_path / "cache" / "autotune").iterdir())) == 1
+    again.generate("hello", max_new_tokens=4, temperature=0.7, seed=0)  # sampling: its own gamma, tuned once
+    sampled = [json.loads(p.read_text()) for p in (tmp_path / "cache" / "autotune").iterdir()]
+    assert sorted(c["temperature"] for c in sampled) == [0.0, 0.7]
+    assert again.gamma == next(c["gamma"] for c in sampled if c["temperature"] == 0.7)
+    again.generate("hello", max_new_tokens=4)
+    assert again.gamma == gen.gamma and len(list((tmp_path / "cache" / "autotune").iterdir())) == 2

@@ -386,3 +386,48 @@ def test_distill_lm_report_shows_learning_curves_and_the_training_text_nll(tmp_p
                                            "train_target_nll_last": 24.5}
     plot(result, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_the_tree_follows_the_temperature_band_each_band_tuned_once_by_sampling(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRIFFIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(autotune, "BUDGET_S", 3.0)
+    target = tiny_model("llama", vocab_size=64)
+    torch.manual_seed(0)
+    head = DraftModel(DraftConfig.from_target(target.config))
+
+    def records() -> dict[float, Path]:
+        return {json.loads(p.read_text())["temperature"]: p for p in (tmp_path / "autotune").glob("*.json")}
+
+    gen = SpecGenerator.from_pretrained(target, head, tokenizer=CharTokenizer(), total_tokens="auto")
+    assert set(records()) == {0.0}
+    calibrations = []
+    steps = gen._steps
+
+    def watched(ids, max_new_tokens, sampling, eos, generator, stats, *args, **kwargs):
+        calibrations.append((sampling.temperature, generator is not None))
+        return steps(ids, max_new_tokens, sampling, eos, generator, stats, *args, **kwargs)
+
+    monkeypatch.setattr(gen, "_steps", watched)
+    gen.generate("abc", max_new_tokens=4, temperature=1.0, seed=0)
+    assert set(records()) == {0.0, 1.0}
+    assert len(calibrations) > 2 and set(calibrations) == {(1.0, True)}  # tuned by sampling at T=1, seeded
+    sampled = json.loads(records()[1.0].read_text())
+    assert (gen.depth, gen.total_tokens) == (sampled["depth"], sampled["total_tokens"])
+    for band, tree in ((0.0, (1, 1)), (1.0, (2, 5))):  # make the two records differ, to see which one is used
+        record = json.loads(records()[band].read_text()) | {"depth": tree[0], "total_tokens": tree[1]}
+        records()[band].write_text(json.dumps(record))
+    again = SpecGenerator.from_pretrained(target, head, tokenizer=CharTokenizer(), total_tokens="auto")
+    assert (again.depth, again.total_tokens) == (1, 1)
+    again.generate("abc", max_new_tokens=4, temperature=0.96, seed=0)  # band 1.0: read, not tuned
+    assert (again.depth, again.total_tokens) == (2, 5) and len(records()) == 2
+    again.generate("abc", max_new_tokens=4)
+    assert (again.depth, again.total_tokens) == (1, 1)
+    again.total_tokens = 3  # set by hand: holds while the band does not change
+    again.generate("abc", max_new_tokens=4)
+    assert again.total_tokens == 3
+    again.generate("abc", max_new_tokens=4, temperature=0.3, seed=0)
+    assert set(records()) == {0.0, 0.3, 1.0}
+    assert autotune.temperature_band(0.01) == 0.1 and autotune.temperature_band(0) == 0.0
+    fixed = SpecGenerator.from_pretrained(target, head, tokenizer=CharTokenizer(), total_tokens=4)
+    fixed.generate("abc", max_new_tokens=4, temperature=0.7, seed=0)
+    assert fixed.total_tokens == 4 and len(records()) == 3
