@@ -72,7 +72,7 @@ def _key(gen, temperature: float) -> str:
     weight = gen.draft.fusion.fc.weight.detach().float().cpu().numpy().tobytes()
     parts = [target_fingerprint(gen.target.config), str(gen.lm_head.weight.dtype), str(gen.device),
              cpu_name(), str(torch.get_num_threads()), str(gen.top_k),
-             str(gen.weight_major.max_rows), gen.weight_major.one_row, gen.weight_major.rows_kernel, str(gen.lookup),
+             str(gen.weight_major.max_rows), gen.weight_major.describe(), str(gen.lookup),
              f"T={temperature}", hashlib.sha256(weight).hexdigest()[:16]]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 

@@ -11,8 +11,9 @@ logits step from :mod:`griffin.family`, and runs:
   math kernel). During verification passes :class:`PackedGQA` instead folds the query heads of each KV group into
   extra query rows, [B, nh, q, D] -> [B, nkv, groups*q, D], with the mask repeated per group: the same products,
   no KV copy, and any SDPA kernel that takes a mask;
-- on CPU, passes of 2..``weight_major_rows`` tokens with the small-input kernel measured fastest on this machine
-  (weight-major or oneDNN linear layers; by default up to the size where it stops beating ``F.linear``), and
+- on CPU, passes of 2..``weight_major_rows`` tokens with the small-input kernels measured fastest on this machine
+  for each row count (weight-major or oneDNN linear layers; by default up to the largest count where one still
+  beats ``F.linear``), and
   one-token passes with the one-row kernel plain decoding takes (:func:`griffin.kernels.choose_kernels`), so that
   measured costs compare like with like.
 
@@ -133,7 +134,7 @@ class TargetBackend:
             return self._static_forward(tokens, positions, tree_mask, cache)
         q = tokens.shape[0]
         mask = verification_mask(self.model, cache.length, tree_mask, self.lm_head.weight.dtype)
-        small = q <= max(self.weight_major.max_rows, 1)  # one token: the one-row kernel; 2..max_rows: weight-major
+        small = q <= max(self.weight_major.max_rows, 1)  # one token: the one-row kernel; 2..max_rows: their kernels
         with self.weight_major if small else contextlib.nullcontext(), self.packed_gqa:
             hidden = self.decoder(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask,
                                   past_key_values=cache, use_cache=True).last_hidden_state[0]  # [q, H]

@@ -9,13 +9,15 @@ weight packed for it once (``torch.ops.mkldnn``, what inductor's CPU freezing us
 as one in fp32 too; the copy costs memory equal to the switched weights.
 
 :class:`WeightMajorLinears` switches a model's ``nn.Linear`` layers, while it is entered, to a chosen kernel for one
-row (``one_row``) and another for 2..``max_rows`` rows (``rows_kernel``); other inputs (a long prompt) take
-``F.linear``. The result is the same product summed in another order, as any change of batch size already does.
+row (``one_row``) and others for 2..``max_rows`` rows (``rows_kernel``: one kernel, or one per row count); other
+inputs (a long prompt) take ``F.linear``. The result is the same product summed in another order, as any change of
+batch size already does.
 
 :func:`choose_kernels` picks them for a model on this machine: it times every switched layer of the model on 1..32
-rows with each kernel, in turns (about 10 s, once), and caches the choice per CPU, torch build, thread count, dtype
-and layer shapes under ``<griffin cache>/kernels/``. Models whose linear weights fit in a CPU cache (the tiny test
-models) are not measured and take :data:`ONE_ROW_DEFAULTS` and :data:`DEFAULT_MAX_ROWS` weight-major rows.
+rows with each kernel, in turns (about 10 s, once), takes the fastest kernel at each row count (:func:`pick`), and
+caches the choice per CPU, torch build, thread count, dtype and layer shapes under ``<griffin cache>/kernels/``.
+Models whose linear weights fit in a CPU cache (the tiny test models) are not measured and take
+:data:`ONE_ROW_DEFAULTS` and :data:`DEFAULT_MAX_ROWS` weight-major rows.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ import types
 import weakref
 from dataclasses import asdict, dataclass
 
+import numpy
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
-
+RowsKernel = str | tuple[str, ...]  # the kernel of 2..max_rows rows, or one per row count (index: rows - 2)
 
 
 def _onednn_packs(weight: torch.Tensor) -> bool:
@@ -73,7 +76,7 @@ def packed_weight(m: nn.Linear) -> torch.Tensor:
 
 def _small_input_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    kernel = self.one_row if rows == 1 else self.rows_kernel if 2 <= rows <= self.max_rows else "linear"
+    kernel = self.one_row if rows == 1 else self.by_rows[rows - 2] if 2 <= rows <= self.max_rows else "linear"
     if kernel == "linear":
         return F.linear(x, self.weight, self.bias)
     flat = x.reshape(rows, -1)
@@ -99,41 +102,64 @@ class WeightMajorLinears:
 
     Kernels (:data:`ONE_ROW_KERNELS`): ``"linear"`` (``F.linear``), ``"weight-major"`` ((W @ x^T)^T), ``"pad"`` (one
     row and a copy of it through the two-row weight-major product) and ``"onednn"`` (oneDNN's linear over the weight
-    packed for it, :func:`packed_weight`). ``one_row`` is the kernel of a one-row input (a plain decode step),
-    ``rows_kernel`` (weight-major or onednn) that of 2..``max_rows`` rows.
+    packed for it, :func:`packed_weight`). ``one_row`` is the kernel of a one-row input (a plain decode step);
+    ``rows_kernel`` that of 2..``max_rows`` rows: one of :data:`ROWS_KERNELS`, or a tuple with the kernel of each row
+    count from 2 on (``"linear"`` allowed; its last entry covers larger counts up to ``max_rows``).
     """
 
-    def __init__(self, model: nn.Module, max_rows: int, one_row: str = "linear", rows_kernel: str = "weight-major"):
+    def __init__(self, model: nn.Module, max_rows: int, one_row: str = "linear",
+                 rows_kernel: RowsKernel = "weight-major"):
         if one_row not in ONE_ROW_KERNELS:
             raise ValueError(f"one_row must be one of {', '.join(ONE_ROW_KERNELS)}, got {one_row!r}")
-        if rows_kernel not in ROWS_KERNELS:
-            raise ValueError(f"rows_kernel must be one of {', '.join(ROWS_KERNELS)}, got {rows_kernel!r}")
+        allowed = ROWS_KERNELS if isinstance(rows_kernel, str) else ("linear", *ROWS_KERNELS)
+        table = (rows_kernel,) if isinstance(rows_kernel, str) else tuple(rows_kernel)
+        if not table or any(k not in allowed for k in table):
+            raise ValueError(f"rows_kernel must be one of {', '.join(ROWS_KERNELS)} or a tuple of those and "
+                             f"'linear', got {rows_kernel!r}")
         self.max_rows, self.one_row, self.rows_kernel = max_rows, one_row, rows_kernel
-        active = max_rows >= 2 or one_row != "linear"
+        self.by_rows = (table + table[-1:] * max(0, max_rows - 1 - len(table)))[: max(0, max_rows - 1)]
+        active = one_row != "linear" or any(k != "linear" for k in self.by_rows)
         self.linears = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in vars(m)
                         and m.weight.device.type != "meta"] if active else []
-        self.onednn = one_row == "onednn" or (rows_kernel == "onednn" and max_rows >= 2)
+        self.onednn = one_row == "onednn" or "onednn" in self.by_rows
+
+    def describe(self) -> str:
+        """The kernels in words, e.g. ``one row pad; 2 rows weight-major, 3-32 rows onednn``."""
+        return f"one row {self.one_row}; " + describe_rows(self.by_rows)
 
     def __enter__(self) -> WeightMajorLinears:
         for m in self.linears:
-            m.max_rows, m.one_row, m.rows_kernel = self.max_rows, self.one_row, self.rows_kernel
+            m.max_rows, m.one_row, m.by_rows = self.max_rows, self.one_row, self.by_rows
             m.packed = packed_weight(m) if self.onednn else None
             m.forward = types.MethodType(_small_input_forward, m)
         return self
 
     def __exit__(self, *exc) -> None:
         for m in self.linears:
-            del m.forward, m.max_rows, m.one_row, m.rows_kernel, m.packed
+            del m.forward, m.max_rows, m.one_row, m.by_rows, m.packed
+
+
+def describe_rows(by_rows: tuple[str, ...]) -> str:
+    """Kernels of 2, 3, ... rows in words, runs of the same kernel merged: ``2 rows weight-major, 3-32 rows onednn``
+    (``F.linear`` beyond)."""
+    runs: list[list] = []  # [first rows, last rows, kernel]
+    for rows, kernel in enumerate(by_rows, start=2):
+        if runs and runs[-1][2] == kernel:
+            runs[-1][1] = rows
+        else:
+            runs.append([rows, rows, kernel])
+    parts = [f"{a}{'' if a == b else f'-{b}'} rows {k}" for a, b, k in runs if k != "linear"]
+    return ", ".join(parts) if parts else "more rows linear"
 
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """The kernel of one-row inputs, the largest input the small-rows kernel takes (0: none) and that kernel, with
-    where they came from."""
+    """The kernel of one-row inputs, the largest input a small-rows kernel takes (0: none) and the kernels of 2..
+    ``max_rows`` rows (one, or one per row count), with where they came from."""
 
     one_row: str
     max_rows: int
-    rows_kernel: str
+    rows_kernel: RowsKernel
     source: str  # "measured", "cached", "default" (not measured) or "gpu"
 
 
@@ -153,7 +179,7 @@ def _switched(model: nn.Module) -> list[nn.Linear]:
 def _key(linears: list[nn.Linear], dtype: torch.dtype) -> str:
     shapes = sorted(f"{m.out_features}x{m.in_features}{'b' if m.bias is not None else ''}" for m in linears)
     parts = [cpu_name(), torch.__version__, str(torch.get_num_threads()), str(dtype), ",".join(shapes),
-             str(ROW_SIZES), ",".join(ONE_ROW_KERNELS)]
+             str(ROW_SIZES), ",".join(ONE_ROW_KERNELS), "per row count"]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
 
@@ -201,23 +227,21 @@ def measure_kernels(model: nn.Module, budget_s: float = BUDGET_S, min_rounds: in
                      for n in ROW_SIZES}, "rounds": rounds}
 
 
-def pick(measured: dict) -> tuple[str, int, str]:
-    """-> (the fastest one-row kernel, the largest row count up to which the small-rows kernel beats ``F.linear`` at
-    every measured size (0 if it loses at 2 rows), that kernel: of the measured ones, the one whose winning range is
-    widest, then fastest over it)."""
+def pick(measured: dict) -> tuple[str, int, RowsKernel]:
+    """-> (the fastest one-row kernel, the largest row count at which another kernel beats ``F.linear`` (0: none),
+    the fastest kernel at each row count from 2 to it). Row counts between two measured sizes take the kernel with
+    the least time interpolated between them."""
     one_row = min(measured["one_row_s"], key=lambda k: measured["one_row_s"][k])
     sizes = sorted(measured["rows"].items(), key=lambda kv: int(kv[0]))
-    best = (0, 0.0, "weight-major")  # (max rows, -seconds over them, kernel)
-    for kernel in next(iter(measured["rows"].values())):
-        if kernel == "linear":
-            continue
-        max_rows, seconds = 0, 0.0
-        for n, t in sizes:
-            if t[kernel] >= t["linear"]:
-                break
-            max_rows, seconds = int(n), seconds + t[kernel]
-        best = max(best, (max_rows, -seconds, kernel))
-    return one_row, best[0], best[2]
+    counts = [int(n) for n, _ in sizes]
+    kernels = list(sizes[0][1])
+    times = {k: numpy.interp(range(2, counts[-1] + 1), counts, [t[k] for _, t in sizes]) for k in kernels}
+    by_rows = [min(kernels, key=lambda k: (times[k][i], k != "linear")) for i in range(counts[-1] - 1)]
+    while by_rows and by_rows[-1] == "linear":
+        by_rows.pop()
+    if not by_rows:
+        return one_row, 0, "weight-major"
+    return one_row, len(by_rows) + 1, by_rows[0] if len(set(by_rows)) == 1 else tuple(by_rows)
 
 
 _CHOICES: dict[str, KernelChoice] = {}
@@ -244,8 +268,9 @@ def choose_kernels(model: nn.Module, remeasure: bool = False) -> KernelChoice:
     if path.is_file() and not remeasure:
         try:
             record = read_json(path, "kernel choice")
-            choice = _CHOICES[key] = KernelChoice(record["one_row"], int(record["max_rows"]), record["rows_kernel"],
-                                                  "cached")
+            rows_kernel = record["rows_kernel"]
+            choice = _CHOICES[key] = KernelChoice(record["one_row"], int(record["max_rows"]), rows_kernel
+                                                  if isinstance(rows_kernel, str) else tuple(rows_kernel), "cached")
             return choice
         except (ValueError, KeyError, TypeError):
             log.warning("%s is damaged: measuring the kernels again", path)
@@ -257,6 +282,7 @@ def choose_kernels(model: nn.Module, remeasure: bool = False) -> KernelChoice:
               "dtype": str(weight.dtype), "torch": torch.__version__, "measure_s": time.perf_counter() - t0,
               "measured_at": time.strftime("%Y-%m-%d %H:%M")}
     atomic_write_json(path, record)
-    log.info("kernels: one row %s, %s up to %d rows (measured in %.0f s, cached in %s)", choice.one_row,
-             choice.rows_kernel, choice.max_rows, record["measure_s"], path)
+    log.info("kernels: %s (measured in %.0f s, cached in %s)",
+             WeightMajorLinears(model, choice.max_rows, choice.one_row, choice.rows_kernel).describe(),
+             record["measure_s"], path)
     return choice

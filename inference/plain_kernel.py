@@ -115,8 +115,7 @@ def table(result: dict) -> str:
         for n, t in layers["rows"].items():
             layer_rows.append([dtype, n, 1000 * t["linear"], *(x for k in kernels for x in (
                 1000 * t[k], f"{t['linear'] / t[k]:.2f}x"))])
-    choices = "; ".join(f"{dtype}: one row `{c['one_row']}`, `{c['rows_kernel']}` up to {c['max_rows']} rows"
-                        for dtype, c in ((d, layers["choice"]) for d, layers in result["layers"].items()))
+    choices = "; ".join(f"{dtype}: {layers['choice']['text']}" for dtype, layers in result["layers"].items())
     machine = result["machine"]
     return (f"# One-row kernel of plain decoding\n\nOne decode step of our plain loop (one token after a "
             f"{result['context']}-token cache, logits, argmax), target {result['target']}; medians of "
@@ -146,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         result["dtypes"][dtype] = kernels
         result["best"][dtype] = min(kernels, key=lambda k: kernels[k]["cpu_ms"])
         layers = measure_kernels(model)
-        result["layers"][dtype] = {**layers, "choice": dict(zip(("one_row", "max_rows", "rows_kernel"), pick(layers)))}
+        one_row, max_rows, rows_kernel = pick(layers)
+        text = WeightMajorLinears(model, max_rows, one_row, rows_kernel).describe()
+        result["layers"][dtype] = {**layers, "choice": {"one_row": one_row, "max_rows": max_rows,
+                                                        "rows_kernel": rows_kernel, "text": text}}
         del model
     result["machine"] = machine_info()
     result["command"] = command_line("inference.plain_kernel", args.argv)

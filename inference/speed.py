@@ -155,7 +155,8 @@ def summarise(records: list[dict], args: argparse.Namespace, bench: str, gen: Sp
         "draft_dtype": str(gen.draft.fusion.fc.weight.dtype).removeprefix("torch."),
         "tree": {"depth": gen.depth, "top_k": gen.top_k, "total_tokens": gen.total_tokens, "lookup": gen.lookup},
         "kernels": {"one_row": gen.weight_major.one_row, "rows_kernel": gen.weight_major.rows_kernel,
-                    "max_rows": gen.weight_major.max_rows, "source": gen.backend.kernels.source},
+                    "max_rows": gen.weight_major.max_rows, "source": gen.backend.kernels.source,
+                    "text": gen.weight_major.describe()},
         "n_questions": len({r["question_id"] for r in records}), "n_prompts": len(records),
         "tau": tokens["ours"] / cycles if cycles else None,  # new tokens per verification pass
         "tokens_per_s": tokens["ours"] / seconds["ours"],
