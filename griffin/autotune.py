@@ -18,8 +18,11 @@ Bounded in time (``budget_s``, 30 s by default; a progress bar shows it) and rob
    sizes between two measured ones are interpolated.
 3. Expected speedup over plain decoding = ``tau(N, d) * t(1) / (t(N+1+K) + d * draft_level + overhead)``.
 4. Check (30 %): the best candidate and a small default tree (with the whole chain) generate the same prompt in turns;
-   the faster by median wins, so the choice is never worse than the default. Too little calibration data also falls
-   back to the default.
+   the fastest per token by median wins, so the choice is never worse than the default. Where the best estimate is
+   under 1.15x, decoding with no tree at all (the chain alone, or plain decoding through the loop,
+   :class:`griffin.drafters.NoDraft`) runs in the turns too, so a head that cannot pay for its tree (sampling with a
+   weak head, a machine where wider passes cost much more) does not slow generation down. Too little calibration
+   data falls back to the default tree.
 
 **Temperature.** Sampling accepts far less than greedy decoding (on MT-Bench with the embedded target, τ about 1.5 at
 T=1 against 3 at T=0), so the best tree differs: a tree is tuned per temperature band (:func:`temperature_band`: 0
@@ -58,6 +61,8 @@ CALIBRATION = [
 MAX_DEPTH, MAX_TOTAL = 6, 48  # the calibration tree; every candidate is a sub-tree of it
 TOTALS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48]
 DEFAULT_TREE = (3, 6)  # depth, total_tokens: small enough to be cheap on any machine, large enough to help
+NO_TREE = (1, 0)  # no drafted node: plain decoding through the loop (prompt lookup alone with a chain)
+TRY_NO_TREE_BELOW = 1.15  # the best expected speedup under which the check also times decoding without a tree
 MIN_CYCLES = 8  # fewer calibration cycles than this: too little data to trust, keep the default
 BUDGET_S = 30.0
 SPLIT = {"calibration": 0.45, "forward cost": 0.25, "check": 0.30}
@@ -237,20 +242,24 @@ def _seconds_per_token(gen, ids: torch.Tensor, tree: tuple[int, int], max_new_to
         gen.depth, gen.total_tokens = saved
 
 
-def _check(gen, clock: _Clock, best: tuple[int, int], max_new_tokens: int,
+def _check(gen, clock: _Clock, trees: list[tuple[int, int]], max_new_tokens: int,
            temperature: float) -> dict[tuple[int, int], float]:
-    """Median seconds per token of the best candidate and the default tree, generated in turns (when sampling, both
+    """Median seconds per token of each of ``trees`` (depth, total_tokens), generated in turns (when sampling, all
     with the same seed in each turn)."""
     ids = next(_calibration_prompts(gen))
     deadline = clock.deadline("check")
-    times: dict[tuple[int, int], list[float]] = {best: [], DEFAULT_TREE: []}
+    times: dict[tuple[int, int], list[float]] = {tree: [] for tree in trees}
     for turn in itertools.count():
-        for tree in (DEFAULT_TREE, best):
+        for tree in trees:
             times[tree].append(_seconds_per_token(gen, ids, tree, max_new_tokens, temperature, turn))
             clock.tick("check")
-        if len(times[best]) >= 5 or time.perf_counter() > deadline:
+        if turn >= 4 or time.perf_counter() > deadline:
             break
     return {tree: statistics.median(t) for tree, t in times.items()}
+
+
+def _name(tree: tuple[int, int]) -> str:
+    return {NO_TREE: "no draft tree", DEFAULT_TREE: "the default tree"}.get(tree, f"{tree[1]} nodes, depth {tree[0]}")
 
 
 def interpolate(costs: dict[int, float], n: int) -> float:
@@ -293,19 +302,25 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperatu
                 table.append({"depth": depth, "total_tokens": total, "tau": tau, "speedup": speedup})
         best = max(table, key=lambda row: row["speedup"])
         pick = (best["depth"], best["total_tokens"])
-        default = next(row for row in table if (row["depth"], row["total_tokens"]) == DEFAULT_TREE)
+        # no tree: the chain alone (or nothing); no drafting, the loop's overhead stays
+        tau = min(expected_tau(trace, 0, 1, gen.lookup), measured_tau) if gen.lookup else 1.0
+        table.append({"depth": NO_TREE[0], "total_tokens": 0, "tau": tau,
+                      "speedup": tau * costs[1] / (interpolate(costs, 1 + gen.lookup) + overhead)})
+        rows = {(row["depth"], row["total_tokens"]): row for row in table}
+        contenders = [pick] + [tree for tree in (DEFAULT_TREE, NO_TREE) if tree != pick and (
+            tree == DEFAULT_TREE or best["speedup"] < TRY_NO_TREE_BELOW)]
+        reason = f"expected tau {best['tau']:.2f} at {best['speedup']:.2f}x the plain decoding rate"
         measured = {}
-        if pick != DEFAULT_TREE:
-            measured = _check(gen, clock, pick, 16, temperature)
-            if measured[DEFAULT_TREE] < measured[pick]:
-                reason = (f"the default tree: measured {measured[pick] / measured[DEFAULT_TREE]:.2f}x slower per "
-                          f"token than it, the best estimate ({pick[1]} nodes, depth {pick[0]}) lost")
-                pick, best = DEFAULT_TREE, default
+        if len(contenders) > 1:
+            measured = _check(gen, clock, contenders, 16, temperature)
+            winner = min(contenders, key=measured.__getitem__)
+            others = ", ".join(f"{_name(t)} {measured[t] / measured[winner]:.2f}x" for t in contenders if t != winner)
+            if winner == pick:
+                reason += f"; measured fastest per token (time per token against it: {others})"
             else:
-                reason = (f"expected tau {best['tau']:.2f} at {best['speedup']:.2f}x the plain decoding rate; measured "
-                          f"{measured[DEFAULT_TREE] / measured[pick]:.2f}x faster than the default tree")
-        else:
-            reason = f"expected tau {best['tau']:.2f} at {best['speedup']:.2f}x the plain decoding rate"
+                reason = (f"{_name(winner)}: measured fastest per token, the best estimate ({_name(pick)}, "
+                          f"{best['speedup']:.2f}x) included (time per token against it: {others})")
+            pick, best = winner, rows[winner]
         choice.update(depth=pick[0], total_tokens=pick[1], lookup=gen.lookup, reason=reason,
                       expected_tau=best["tau"], expected_speedup=best["speedup"], forward_cost_s=costs,
                       draft_level_s=level, cycle_overhead_s=overhead,
@@ -318,8 +333,9 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperatu
 
 def _describe(choice: dict) -> str:
     lookup, temperature = choice.get("lookup", 0), choice.get("temperature", 0)
-    return (f"{choice['total_tokens']} nodes, depth {choice['depth']}" + (f" + lookup {lookup}" if lookup else "")
-            + (f" at T={temperature}" if temperature else ""))
+    tree = (choice["depth"], choice["total_tokens"])
+    return (("no draft tree" if tree == NO_TREE else f"{tree[1]} nodes, depth {tree[0]}")
+            + (f" + lookup {lookup}" if lookup else "") + (f" at T={temperature}" if temperature else ""))
 
 
 def autotune(gen, retune: bool = False, budget_s: float | None = None,

@@ -26,7 +26,8 @@ A drafter is any object with:
 
 :class:`HeadDrafter` drafts with a trained head (EAGLE-2 dynamic tree). :class:`PromptLookup` adds to another
 drafter's tree a chain copied from the context (prompt lookup), for text that repeats what came before.
-:class:`OracleDrafter` knows the answer in advance and measures the engine's ceiling.
+:class:`NoDraft` proposes nothing (plain decoding through the same loop; prompt lookup alone inside
+:class:`PromptLookup`). :class:`OracleDrafter` knows the answer in advance and measures the engine's ceiling.
 """
 
 from __future__ import annotations
@@ -91,6 +92,24 @@ class HeadDrafter:
         start = self.cache.length
         positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)
         self.last = self.draft(tokens[None], hidden[None], positions[None], cache=self.cache)
+
+
+class NoDraft:
+    """Proposes nothing: the target verifies only the newest token and emits the next, which is plain decoding
+    through the one loop (``total_tokens=0``). The tree tuner chooses it where no tree pays for what it costs, e.g.
+    when sampling with a head that rarely guesses the sampled token; inside :class:`PromptLookup` it leaves the copied
+    chain alone (prompt lookup decoding)."""
+
+    depth = total_tokens = 0
+
+    def start(self, ids: torch.Tensor, hidden: torch.Tensor, token: torch.Tensor) -> None:
+        pass
+
+    def propose(self, token: torch.Tensor) -> Tree:
+        return chain(token, token[:0])
+
+    def accept(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        pass
 
 
 class PromptLookup:

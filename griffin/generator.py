@@ -27,7 +27,7 @@ from .chat import check_messages, prompt_ids
 from .compat import check_compatible
 from .draft import DraftModel
 from .draft_lm import DraftLM, DraftLMDrafter, load_draft_lm
-from .drafters import HeadDrafter, PromptLookup
+from .drafters import HeadDrafter, NoDraft, PromptLookup
 from .family import check_target
 from .kv_cache import BufferCache
 from .sampling import SamplingConfig, sample_token
@@ -98,9 +98,10 @@ class SpecGenerator:
                  depth: int = 5, top_k: int = 8, total_tokens: int = 24, draft_dtype: torch.dtype | None = None,
                  weight_major_rows: int | None = None, timing: bool = False, gamma: int = 4,
                  compile: str | dict | None = None, lookup: int = 0):
-        for name, value in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens), ("gamma", gamma)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name, value, least in (("depth", depth, 1), ("top_k", top_k, 1), ("total_tokens", total_tokens, 0),
+                                   ("gamma", gamma, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         check_lookup(lookup)
         self.target, self.tokenizer = target, tokenizer
         self.backend = TargetBackend(target, weight_major_rows, compile=compile)
@@ -141,7 +142,8 @@ class SpecGenerator:
         pass ``tokenizer``); ``draft``: a head folder, a :class:`DraftModel`, or None for the head shipped for the
         target. ``total_tokens="auto"`` (the default) picks the tree size and depth that maximise the speedup on this
         machine (measured once in under a minute, then cached; ``retune=True`` measures again), overriding
-        ``depth``; pass an int to fix the tree and skip tuning. The tree is tuned per temperature band (sampling
+        ``depth``; pass an int to fix the tree and skip tuning (0: no tree, plain decoding through the same loop, or
+        prompt lookup alone with ``lookup``; the tuner picks it where no tree pays for itself). The tree is tuned per temperature band (sampling
         accepts less than greedy decoding): for greedy decoding when loaded, and for a sampled band the first time a
         generation asks for it (:meth:`tune_for`).
         ``draft_dtype="auto"`` runs the head in bf16 where the hardware computes it natively (see
@@ -166,8 +168,8 @@ class SpecGenerator:
         and device (see :mod:`griffin.family` for what "identical" means in bf16 on GPUs); targets whose family
         verification cannot reproduce are refused with the reason (:func:`griffin.family.check_target`)."""
         if total_tokens != "auto" and (isinstance(total_tokens, bool) or not isinstance(total_tokens, int)
-                                       or total_tokens < 1):
-            raise ValueError(f"total_tokens must be 'auto' or a positive integer, got {total_tokens!r}")
+                                       or total_tokens < 0):
+            raise ValueError(f"total_tokens must be 'auto' or a non-negative integer, got {total_tokens!r}")
         check_lookup(lookup)
         if lookup and draft_model is not None:
             raise ValueError("lookup adds a chain to a head's tree: it does not combine with draft_model")
@@ -325,7 +327,9 @@ class SpecGenerator:
             else:
                 self._drafter.prepare(self.gamma, capacity)
             return self._drafter
-        if not shared:
+        if self.total_tokens == 0:
+            head = NoDraft()
+        elif not shared:
             head = HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
         elif self._drafter is None or self._drafter.draft is not self.draft:
             head = self._drafter = HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)

@@ -17,7 +17,7 @@ drafter's τ is exactly what the tree allows: the numbers measure the engine, no
 4. one cycle of an untrained head (``DraftModel(DraftConfig.from_target(...))``) on the 60-node tree, split into
    draft / verify / other (``SpecGenerator.timing``, which synchronises; every other run goes without);
    engine overhead = cycle - drafting - the verification forward t(61);
-5. the tree the tuner (``total_tokens="auto"``) picks for that head (its τ is about 1, so a small one);
+5. the tree the tuner (``total_tokens="auto"``) picks for that head (its τ is about 1, so a small one or none);
 6. with ``--compile [MODE]``: verification through the engine's compiled static path (``SpecGenerator(compile=MODE)``;
    the default ``reduce-overhead`` records CUDA graphs) and the head's norms, MLP and fusion under ``torch.compile``:
    the time of the first (compiling) calls, t(61), the oracle at 60 nodes and the untrained head's cycle again.
@@ -524,9 +524,10 @@ def shape_table(r: dict) -> str:
         parts.append("Issue 14's targets:\n\n" + "\n".join(targets) + "\n\n")
     if "autotune" in r:
         a = r["autotune"]
-        parts.append(f"Tree tuner (`total_tokens=\"auto\"`) for the untrained head: {a['total_tokens']} nodes, depth "
-                     f"{a['depth']} (expected τ {a['expected_tau']:.2f}; an untrained head's drafts are rejected, so "
-                     f"a small tree is the right answer), {a['seconds']:.1f} s.\n\n")
+        tree = f"{a['total_tokens']} nodes, depth {a['depth']}" if a["total_tokens"] else "no draft tree"
+        parts.append(f"Tree tuner (`total_tokens=\"auto\"`) for the untrained head: {tree} (expected τ "
+                     f"{a['expected_tau']:.2f}; an untrained head's drafts are rejected, so a small tree or none is "
+                     f"the right answer), {a['seconds']:.1f} s.\n\n")
     if "compile" in r:
         parts.append(compile_table(r))
     parts.append(f"Command: `{r['command']}` ({r['date']})\n\n")

@@ -42,7 +42,7 @@ def tree_text(tree: dict) -> str:
     """A speed run's tree settings, as tables show them."""
     n = tree["total_tokens"]
     lookup = f" + lookup {tree['lookup']}" if tree.get("lookup") else ""
-    return f"{n} node{'' if n == 1 else 's'}, depth {tree['depth']}{lookup}"
+    return (f"{n} node{'' if n == 1 else 's'}, depth {tree['depth']}" if n else "no tree") + lookup
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:

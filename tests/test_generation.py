@@ -20,7 +20,7 @@ PROMPTS = [
     "Write a Python function that adds two numbers.", "Tell me a fun fact about owls.",
 ]
 SHAPES = [(5, 8, 24), (3, 4, 7), (6, 10, 60), (1, 2, 2)]  # depth, top_k, total_tokens (7 and 2: weight-major verify)
-SMALL_SHAPES = [(5, 8, 24), (3, 4, 7), (4, 6, 16), (1, 8, 3)]
+SMALL_SHAPES = [(5, 8, 24), (3, 4, 7), (4, 6, 16), (1, 8, 3), (1, 8, 0)]  # 0: no tree (plain decoding)
 
 
 class NoTokenizer:
@@ -113,6 +113,21 @@ def check_greedy_identity(family: str, device: str = "cpu", dtype: torch.dtype =
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_greedy_identical_on_tiny_targets_over_tree_shapes(family):
     check_greedy_identity(family)
+
+
+@pytest.mark.parametrize("lookup", [0, 3])
+def test_no_tree_is_plain_decoding_or_prompt_lookup_alone_with_the_targets_tokens(lookup):
+    target = tiny_model("llama", vocab_size=96)
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), total_tokens=0)
+    gen.lookup = lookup
+    for seed in range(3):
+        prompt = torch.randint(0, 96, (6,), generator=torch.Generator().manual_seed(seed))
+        prompt = torch.cat((prompt, prompt))  # text that repeats: the chain has something to copy
+        ref = target.generate(prompt[None], max_new_tokens=30, do_sample=False)
+        out = gen.generate(prompt, max_new_tokens=30)
+        assert torch.equal(out.sequences, ref)
+        if not lookup:
+            assert out.stats.cycles == 29 and set(out.stats.accepted_hist) == {1}  # one token per target pass
 
 
 def check_eos_and_budget(device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
@@ -298,10 +313,12 @@ def test_bad_construction_and_conversations_raise_value_errors(bad_input_generat
     other = tiny_model("llama", vocab_size=70)
     with pytest.raises(ValueError, match="use a head trained for this target"):
         SpecGenerator(other, NoTokenizer(), untrained_head(target))
-    with pytest.raises(ValueError, match="depth must be a positive integer"):
+    with pytest.raises(ValueError, match="depth must be an integer >= 1, got 0"):
         SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=0)
-    for total in (0, "big", 2.5):
-        with pytest.raises(ValueError, match="total_tokens must be 'auto' or a positive integer"):
+    with pytest.raises(ValueError, match="total_tokens must be an integer >= 0, got -1"):
+        SpecGenerator(target, NoTokenizer(), untrained_head(target), total_tokens=-1)
+    for total in (-1, "big", 2.5, True):
+        with pytest.raises(ValueError, match="total_tokens must be 'auto' or a non-negative integer"):
             SpecGenerator.from_pretrained(target, untrained_head(target), tokenizer=NoTokenizer(), total_tokens=total)
     target.config._name_or_path = "no-such-org/no-such-model"  # not a folder, not in any local cache
     with pytest.raises(ValueError, match="no tokenizer for 'no-such-org/no-such-model' on this machine .*tokenizer="):

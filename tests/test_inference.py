@@ -68,13 +68,13 @@ def test_auto_tree_size_is_measured_within_seconds_explained_and_cached(tmp_path
     assert len(files) == 1
     choice = json.loads(files[0].read_text())
     assert (gen.depth, gen.total_tokens) == (choice["depth"], choice["total_tokens"])
-    assert 1 <= gen.depth <= autotune.MAX_DEPTH and 1 <= gen.total_tokens <= autotune.MAX_TOTAL
+    assert 1 <= gen.depth <= autotune.MAX_DEPTH and 0 <= gen.total_tokens <= autotune.MAX_TOTAL  # 0: no tree
     assert choice["calibration_cycles"] >= autotune.MIN_CYCLES and choice["forward_cost_s"]["1"] > 0
     costs = [choice["forward_cost_s"][str(n)] for n in sorted(map(int, choice["forward_cost_s"]))]
     assert costs == sorted(costs)  # made non-decreasing
     assert all(row["tau"] <= choice["calibration_tau"] + 1e-9 for row in choice["candidates"])
     summary = [r.message for r in caplog.records if r.message.startswith("draft tree:")]
-    assert len(summary) == 1 and f"{gen.total_tokens} nodes, depth {gen.depth}, chosen in" in summary[0]
+    assert len(summary) == 1 and f"{autotune._describe(choice)}, chosen in" in summary[0]
     assert "default tree" in summary[0]  # the reason names how the choice compared with the default tree
     caplog.clear()
     again = SpecGenerator.from_pretrained(target, head, tokenizer=CharTokenizer(), total_tokens="auto")
@@ -289,7 +289,7 @@ def test_gpu_check_script_runs_the_benchmark_at_the_tiny_shape(tmp_path):
     untrained = shape["untrained"]
     assert untrained["cycles"] > 0 and untrained["identical_to_generate"] == 1.0
     assert min(untrained["draft_s"], untrained["verify_s"], untrained["other_s"]) > 0
-    assert {"1", "2", "7", "61"} <= set(shape["forward_cost_s"]) and shape["autotune"]["total_tokens"] >= 1
+    assert {"1", "2", "7", "61"} <= set(shape["forward_cost_s"]) and shape["autotune"]["total_tokens"] >= 0
     table = (tmp_path / "engine-cpu.md").read_text()
     assert "## tiny" in table and "Engine overhead at the 60-node tree" in table
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.log", "engine-cpu.json", "engine-cpu.md",
@@ -431,3 +431,26 @@ def test_the_tree_follows_the_temperature_band_each_band_tuned_once_by_sampling(
     fixed = SpecGenerator.from_pretrained(target, head, tokenizer=CharTokenizer(), total_tokens=4)
     fixed.generate("abc", max_new_tokens=4, temperature=0.7, seed=0)
     assert fixed.total_tokens == 4 and len(records()) == 3
+
+
+def test_the_tuner_decodes_without_a_tree_where_that_measures_fastest(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRIFFIN_CACHE", str(tmp_path))
+    target = tiny_model("llama", vocab_size=64)
+    torch.manual_seed(0)
+    gen = SpecGenerator(target, CharTokenizer(), DraftModel(DraftConfig.from_target(target.config)))
+    timed = []
+
+    def seconds_per_token(gen, ids, tree, max_new_tokens, temperature, seed):
+        timed.append(tree)
+        return 1.0 if tree == autotune.NO_TREE else 2.0
+
+    monkeypatch.setattr(autotune, "_seconds_per_token", seconds_per_token)
+    monkeypatch.setattr(autotune, "TRY_NO_TREE_BELOW", float("inf"))  # every estimate is low enough to try it
+    choice = autotune.tune(gen, budget_s=3.0)
+    assert (choice["depth"], choice["total_tokens"]) == autotune.NO_TREE
+    assert choice["reason"].startswith("no draft tree: measured fastest") and "the default tree 2.00x" in choice["reason"]
+    assert any(row["total_tokens"] == 0 for row in choice["candidates"])
+    monkeypatch.setattr(autotune, "TRY_NO_TREE_BELOW", 0.0)  # a tree that pays: decoding without one is not timed
+    timed.clear()
+    choice = autotune.tune(gen, budget_s=3.0)
+    assert autotune.NO_TREE not in timed and choice["total_tokens"] > 0
