@@ -148,8 +148,9 @@ class SpecGenerator:
         generation asks for it (:meth:`tune_for`).
         ``draft_dtype="auto"`` runs the head in bf16 where the hardware computes it natively (see
         :func:`fast_draft_dtype`); the head's dtype changes which tokens are drafted, never the output.
-        ``weight_major_rows``: verification passes of up to this many tokens compute the target's linear layers
-        weight-major (:mod:`griffin.kernels`; default 8 on CPU and 0, off, on GPUs). ``timing``: record the
+        ``weight_major_rows``: verification passes of up to this many tokens compute the target's linear layers with
+        the kernel measured fastest on this machine for their row count (:mod:`griffin.kernels`; default: up to the
+        largest count where one beats ``F.linear`` on CPU, 0, off, on GPUs). ``timing``: record the
         draft / verify / other split of each generation's time (synchronises the device; off by default).
         ``compile``: run verification passes with static shapes through ``torch.compile`` (a mode such as
         ``"reduce-overhead"``, which uses CUDA graphs, or a dict of its options; off by default).
