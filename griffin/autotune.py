@@ -3,12 +3,14 @@
 Bounded in time (``budget_s``, 30 s by default; a progress bar shows it) and robust to a busy machine:
 
 1. Calibration (45 % of the budget): a few generic requests (not evaluation questions) are generated with a large
-   tree at the temperature being tuned for (greedily at 0, else sampled with fixed seeds); for every cycle the draft-score rank and depth of each node on the accepted path are recorded. A
-   smaller tree of ``N`` nodes and depth ``d`` is the ``N`` best-ranked nodes of depth <= d of the same candidates, so
-   the tokens it would have accepted follow from those ranks (never more than the large tree accepted: the measured
-   acceptance bounds every estimate). When sampling the estimate holds in distribution: the verifier draws one token
-   per node from the target and follows the child that carries it (:class:`griffin.verify.TreeSampling`), so with the
-   same draws a cut tree would accept the prefix of the traced path that it kept. The head's cost per drafting level and the per-cycle overhead are timed too.
+   tree at the temperature being tuned for (greedily at 0, else sampled with fixed seeds); for every cycle the
+   draft-score rank and depth of each node on the accepted path are recorded. A smaller tree of ``N`` nodes and depth
+   ``d`` is the ``N`` best-ranked nodes of depth <= d of the same candidates, so the tokens it would have accepted
+   follow from those ranks (never more than the large tree accepted: the measured acceptance bounds every estimate).
+   When sampling the estimate holds in distribution: the verifier draws one token per node from the target and
+   follows the child that carries it (:class:`griffin.verify.TreeSampling`), so with the same draws a cut tree would
+   accept the prefix of the traced path that it kept. The head's cost per drafting level and the per-cycle overhead
+   are timed too.
    With a prompt-lookup chain of K tokens (``lookup=K``) the calibration trees carry it, and a smaller tree keeps the
    path's nodes that the chain spells, whether the head drafted them too or not. K itself is not tuned: the
    calibration requests are first turns, where little text repeats, so they would undervalue the chain (on MT-Bench
@@ -279,8 +281,8 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperatu
         trace, totals = _calibrate(gen, clock, max_new_tokens, temperature)
         cycles = totals["cycles"]
         measured_tau = (totals["new_tokens"] / cycles) if cycles else 1.0
-        choice: dict = {"top_k": gen.top_k, "temperature": temperature, "calibration_cycles": cycles, "calibration_tau": measured_tau,
-                        "budget_s": budget_s}
+        choice: dict = {"top_k": gen.top_k, "temperature": temperature, "calibration_cycles": cycles,
+                        "calibration_tau": measured_tau, "budget_s": budget_s}
         if cycles < MIN_CYCLES:
             depth, total = DEFAULT_TREE
             reason = f"the default tree: only {cycles} calibration cycles fitted in the time (machine too busy?)"

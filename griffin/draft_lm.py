@@ -240,8 +240,8 @@ def _tuning_key(gen, temperature: float) -> str:
     probe = [p.detach().float().flatten()[:4096].cpu() for p in list(lm.parameters())[:8]]
     parts = [target_fingerprint(gen.target.config), str(gen.backend.lm_head.weight.dtype), str(gen.device),
              cpu_name(), str(torch.get_num_threads()), str(gen.weight_major.max_rows),
-             gen.weight_major.describe(),
-             str(lm.num_parameters()), str(None if gen.draft.vocab is None else len(gen.draft.vocab)), f"T={temperature}",
+             gen.weight_major.describe(), str(lm.num_parameters()),
+             str(None if gen.draft.vocab is None else len(gen.draft.vocab)), f"T={temperature}",
              hashlib.sha256(torch.cat(probe).numpy().tobytes()).hexdigest()[:16]]
     return "draft-lm-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 

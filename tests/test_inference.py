@@ -395,7 +395,7 @@ def test_the_tree_follows_the_temperature_band_each_band_tuned_once_by_sampling(
     torch.manual_seed(0)
     head = DraftModel(DraftConfig.from_target(target.config))
 
-    def records() -> dict[float, Path]:
+    def records() -> dict:
         return {json.loads(p.read_text())["temperature"]: p for p in (tmp_path / "autotune").glob("*.json")}
 
     gen = SpecGenerator.from_pretrained(target, head, tokenizer=CharTokenizer(), total_tokens="auto")
@@ -448,7 +448,8 @@ def test_the_tuner_decodes_without_a_tree_where_that_measures_fastest(tmp_path, 
     monkeypatch.setattr(autotune, "TRY_NO_TREE_BELOW", float("inf"))  # every estimate is low enough to try it
     choice = autotune.tune(gen, budget_s=3.0)
     assert (choice["depth"], choice["total_tokens"]) == autotune.NO_TREE
-    assert choice["reason"].startswith("no draft tree: measured fastest") and "the default tree 2.00x" in choice["reason"]
+    assert choice["reason"].startswith("no draft tree: measured fastest")
+    assert "the default tree 2.00x" in choice["reason"]
     assert any(row["total_tokens"] == 0 for row in choice["candidates"])
     monkeypatch.setattr(autotune, "TRY_NO_TREE_BELOW", 0.0)  # a tree that pays: decoding without one is not timed
     timed.clear()
