@@ -35,7 +35,7 @@ def machine_info() -> dict:
 
 def command_line(module: str, argv: list[str] | None = None) -> str:
     """The command that reproduces a run: ``argv`` when a module's main() was called with it, else sys.argv."""
-    return f"python -m {module} " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    return f"python -m {module} {shlex.join(sys.argv[1:] if argv is None else argv)}".rstrip()
 
 
 def tree_text(tree: dict) -> str:

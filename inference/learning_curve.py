@@ -1,0 +1,156 @@
+"""The recipe's learning curve: validation top-1 of each head against training tokens seen, with a log-linear fit.
+
+    python -m inference.learning_curve
+    python -m inference.learning_curve --recipe checkpoints/smollm2-135m-instruct-wip/recipe.json --target 0.60
+
+Reads the ``recipe.json`` that ``training.recipe`` commits beside its heads (no model is run) and writes
+``benchmarks/results/learning-curve.{json,md,png}``: top-1 at pass 1 on the recipe's two fixed validation sets after
+every chunk, GRIFFIN's ratio to EAGLE at the same tokens, and per head and set a least-squares fit
+``top1 = a + b * ln(tokens)`` over the points after ``--fit-from`` tokens. The fit's tokens for ``--target`` top-1 is
+an extrapolation of the curve so far, labelled as such: it says whether data at this rate could reach the target, not
+that it will.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from griffin.io import read_json
+from training.cli import run_cli
+
+from .report import command_line, markdown_table, write_benchmark
+
+DEFAULT_RECIPE = "checkpoints/smollm2-135m-instruct-wip/recipe.json"
+PAIRS = {"griffin-s1": "eagle-s1", "griffin": "eagle2"}  # a GRIFFIN head and the EAGLE head with its data and budget
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m inference.learning_curve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", default=DEFAULT_RECIPE, help="the recipe.json of training.recipe")
+    p.add_argument("--target", type=float, default=0.60, help="the top-1 whose tokens the fit extrapolates to")
+    p.add_argument("--fit-from", type=int, default=1_000_000, help="fit only points after this many tokens")
+    p.add_argument("--out-dir", default="benchmarks/results")
+    p.add_argument("--stem", default="learning-curve")
+    args = p.parse_args(argv)
+    args.argv = argv
+    return args
+
+
+def fit(points: list[tuple[int, float]]) -> dict | None:
+    """Least squares ``top1 = a + b ln(tokens)`` -> a, b, and the tokens per doubling's gain; None under 3 points."""
+    if len(points) < 3:
+        return None
+    xs = [math.log(t) for t, _ in points]
+    ys = [y for _, y in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return {"a": my - b * mx, "b": b, "per_doubling": b * math.log(2), "points": len(points)}
+
+
+def tokens_for(line: dict, top1: float) -> float | None:
+    """Tokens at which the fitted line reaches ``top1`` (None if it never rises)."""
+    return math.exp((top1 - line["a"]) / line["b"]) if line["b"] > 0 else None
+
+
+def curve(state: dict, fit_from: int, target: float) -> dict:
+    heads: dict[str, dict] = {}
+    for point in state["curve"]:
+        for kind, passes in point.get("fixed", {}).items():
+            first = next((p["top1"] for p in passes if p["pass"] == 1 and p["top1"] is not None), None)
+            if first is not None:
+                heads.setdefault(point["head"], {}).setdefault(kind, []).append(
+                    {"chunk": point["chunk"], "tokens": point["tokens_seen"], "top1": first})
+    fits = {}
+    for head, kinds in heads.items():
+        for kind, points in kinds.items():
+            line = fit([(p["tokens"], p["top1"]) for p in points if p["tokens"] > fit_from])
+            if line:
+                line["tokens_for_target"] = tokens_for(line, target)
+                fits.setdefault(head, {})[kind] = line
+    ratios = []
+    for mine, theirs in PAIRS.items():
+        for kind, points in heads.get(mine, {}).items():
+            other = {p["chunk"]: p["top1"] for p in heads.get(theirs, {}).get(kind, [])}
+            ratios += [{"heads": f"{mine}/{theirs}", "set": kind, "chunk": p["chunk"], "tokens": p["tokens"],
+                        "ratio": p["top1"] / other[p["chunk"]]} for p in points if other.get(p["chunk"])]
+    return {"heads": heads, "fits": fits, "ratios": ratios, "target": target, "fit_from": fit_from}
+
+
+def table(result: dict) -> str:
+    rows = []
+    for head, kinds in result["heads"].items():
+        for kind, points in kinds.items():
+            last = points[-1]
+            line = result["fits"].get(head, {}).get(kind)
+            reach = line and line["tokens_for_target"]
+            rows.append([head, kind, f"{len(points)} ({line['points'] if line else 0})", f"{last['tokens']:,}",
+                         f"{last['top1']:.3f}",
+                         f"{line['per_doubling']:+.3f}" if line else "-",
+                         f"{reach / 1e6:,.0f}M" if reach else "-"])
+    latest: dict[tuple[str, str], dict] = {}
+    for r in result["ratios"]:
+        latest[r["heads"], r["set"]] = r
+    ratio_rows = [[heads, kind, r["chunk"], f"{r['tokens']:,}", f"{r['ratio']:.3f}x"]
+                  for (heads, kind), r in latest.items()]
+    return ("# Learning curve of the recipe's heads\n\n"
+            f"Validation top-1 at pass 1 on the recipe's fixed sets after every chunk (`{result['recipe']}`). "
+            f"Fit: least squares `top1 = a + b ln(tokens)` over the points after {result['fit_from']:,} tokens; "
+            f"'tokens for {result['target']:.2f}' extrapolates that line (an estimate from the curve so far, not "
+            "a measurement).\n\n"
+            + markdown_table(["head", "fixed set", "points (fitted)", "tokens seen", "top-1 now",
+                              "top-1 gain per doubling (fit)",
+                              f"tokens for {result['target']:.2f} (fit)"], rows)
+            + "\nGRIFFIN against EAGLE at the same chunk (same data and budget), latest point:\n\n"
+            + markdown_table(["heads", "fixed set", "chunk", "tokens seen", "top-1 ratio"], ratio_rows)
+            + ("\n![learning curve](learning-curve.png)\n" if result.get("plot") else "")
+            + f"\nCommand: `{result['command']}`\n")
+
+
+def plot(result: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping the plot (pip install matplotlib)")
+        return False
+    kinds = sorted({kind for kinds in result["heads"].values() for kind in kinds})
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.2), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        for head, sets in result["heads"].items():
+            points = sets.get(kind, [])
+            if points:
+                ax.plot([p["tokens"] for p in points], [p["top1"] for p in points], marker="o", ms=3, label=head)
+        ax.set_xscale("log")
+        ax.set_xlabel("training tokens seen")
+        ax.set_ylabel("top-1 at pass 1")
+        ax.set_title(f"fixed {kind}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    state = read_json(args.recipe, "recipe state")
+    if not isinstance(state, dict) or not state.get("curve"):
+        raise ValueError(f"{args.recipe} has no learning curve yet: run python -m training.recipe first")
+    result = curve(state, args.fit_from, args.target)
+    result.update(recipe=args.recipe, command=command_line("inference.learning_curve", args.argv))
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result["plot"] = plot(result, out / f"{args.stem}.png")
+    write_benchmark(out, args.stem, result, table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -1,0 +1,39 @@
+"""inference.learning_curve: the recipe's learning curve, its log-linear fit and the GRIFFIN/EAGLE ratio."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from inference import learning_curve
+
+
+def point(head: str, chunk: int, tokens: int, regen: float) -> dict:
+    return {"head": head, "chunk": chunk, "tokens_seen": tokens, "steps": 1,
+            "fixed": {"regen": [{"pass": 1, "top1": regen, "kept": 1.0}]}}
+
+
+def test_fit_recovers_a_log_linear_curve_and_extrapolates_the_target():
+    line = learning_curve.fit([(t, 0.1 + 0.05 * math.log(t)) for t in (2e6, 4e6, 8e6)])
+    assert math.isclose(line["a"], 0.1) and math.isclose(line["b"], 0.05)
+    assert math.isclose(line["per_doubling"], 0.05 * math.log(2))
+    assert math.isclose(learning_curve.tokens_for(line, 0.1 + 0.05 * math.log(16e6)), 16e6)
+    assert learning_curve.fit([(1e6, 0.3), (2e6, 0.4)]) is None  # too few points
+    assert learning_curve.tokens_for({"a": 0.5, "b": -0.01}, 0.6) is None  # a falling line never gets there
+
+
+def test_the_curve_is_written_with_the_ratio_at_the_same_chunk_and_bad_input_is_one_line(tmp_path, capsys):
+    curve = [point("griffin-s1", c, (c + 1) * 1_000_000, 0.3 + 0.02 * c) for c in range(4)]
+    curve += [point("eagle-s1", c, (c + 1) * 1_000_000, 0.25 + 0.02 * c) for c in range(4)]
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({"curve": curve}))
+    assert learning_curve.main(["--recipe", str(recipe), "--out-dir", str(tmp_path), "--fit-from", "0"]) == 0
+    result = json.loads((tmp_path / "learning-curve.json").read_text())
+    last = [r for r in result["ratios"] if r["chunk"] == 3]
+    assert len(last) == 1 and math.isclose(last[0]["ratio"], 0.36 / 0.31)
+    assert result["fits"]["griffin-s1"]["regen"]["points"] == 4 and result["fits"]["griffin-s1"]["regen"]["b"] > 0
+    table = (tmp_path / "learning-curve.md").read_text()
+    assert "| griffin-s1/eagle-s1 | regen | 3 | 4,000,000 | 1.161x |" in table
+    capsys.readouterr()
+    assert learning_curve.run_cli(learning_curve.main, argv=["--recipe", str(tmp_path / "none.json")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
