@@ -333,6 +333,16 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperatu
         clock.close()
 
 
+def tuning_record(gen, temperature: float) -> dict | None:
+    """This machine's record of the tree tuned for ``gen`` at ``temperature``'s band (its reason and measurements),
+    None if there is none."""
+    path = cache_dir() / "autotune" / f"{_key(gen, temperature_band(temperature))}.json"
+    try:
+        return read_json(path, "tuning record")
+    except (OSError, ValueError):
+        return None
+
+
 def _describe(choice: dict) -> str:
     lookup, temperature = choice.get("lookup", 0), choice.get("temperature", 0)
     tree = (choice["depth"], choice["total_tokens"])

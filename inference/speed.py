@@ -74,6 +74,7 @@ import torch
 from tqdm.auto import tqdm
 
 from griffin import SpecGenerator
+from griffin.autotune import tuning_record
 from griffin.chat import prompt_ids
 from griffin.io import atomic_write_json, atomic_write_text, read_journal
 from griffin.plain import plain_generate
@@ -135,6 +136,13 @@ def question_records(runner: Runner, question: dict, bench: str, seed: int) -> l
     return records
 
 
+def tuning_summary(gen: SpecGenerator, temperature: float) -> dict | None:
+    """Why the run's tree is what it is: the tuner's record for its temperature band (None for a fixed tree)."""
+    record = tuning_record(gen, temperature) if gen.autotuned else None
+    keys = ("temperature", "reason", "expected_tau", "expected_speedup", "measured_s_per_token", "tuned_at")
+    return {k: record[k] for k in keys if k in record} if record else None
+
+
 def summarise(records: list[dict], args: argparse.Namespace, bench: str, gen: SpecGenerator, tag: str) -> dict:
     def total(method: str, key: str) -> float:
         return sum(r[method][key] if key == "seconds" else len(r[method]["tokens"]) for r in records)
@@ -157,6 +165,7 @@ def summarise(records: list[dict], args: argparse.Namespace, bench: str, gen: Sp
         "kernels": {"one_row": gen.weight_major.one_row, "rows_kernel": gen.weight_major.rows_kernel,
                     "max_rows": gen.weight_major.max_rows, "source": gen.backend.kernels.source,
                     "text": gen.weight_major.describe()},
+        "tuning": tuning_summary(gen, args.temperature),
         "n_questions": len({r["question_id"] for r in records}), "n_prompts": len(records),
         "tau": tokens["ours"] / cycles if cycles else None,  # new tokens per verification pass
         "tokens_per_s": tokens["ours"] / seconds["ours"],
@@ -212,6 +221,8 @@ def table(result: dict) -> str:
     head = (f"# {result['bench']} · draft {result['draft']} · T={result['temperature']}\n\n"
             f"{result['n_questions']} questions, {result['n_prompts']} prompts, up to {result['max_new_tokens']} new "
             f"tokens, target {result['target']} ({result['dtype']}), tree {result['tree']}.\n\n")
+    if result.get("tuning"):
+        head += f"Tree chosen by the tuner on this machine: {result['tuning']['reason']}.\n\n"
     foot = f"\nCommand: `{result['command']}`\n\nMachine: {result['machine']['cpu']}, {result['machine']['cores']} " \
            f"cores, torch {result['machine']['torch']}, {result['machine']['date']}.\n"
     return head + markdown_table(["metric", "value"], rows) + foot

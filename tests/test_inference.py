@@ -122,6 +122,10 @@ def test_speed_run_writes_results(tmp_path, embedded):
     assert result["speedup_vs_fastest_plain"] == pytest.approx(result["tokens_per_s"] / plain)
     assert result["fastest_plain"] in ("baseline", "own_loop")
     assert result["identical_fraction"] == 1.0 and result["n_prompts"] == 1
+    tuning = result["tuning"]  # why the tree is what it is: the tuner's record for the run's temperature band
+    assert tuning["temperature"] == 0.0 and tuning["reason"] and tuning["expected_tau"] >= 1
+    assert f"Tree chosen by the tuner on this machine: {tuning['reason']}." in (
+        tmp_path / "results" / "gsm8k-head-T0.md").read_text()
     assert result["command"].startswith("python -m inference.speed --bench gsm8k --draft")
     assert (tmp_path / "results" / "gsm8k-head-T0.md").read_text().startswith("# gsm8k")
     answer = json.loads((tmp_path / "results" / "answers" / "gsm8k-head-T0.jsonl").read_text())
