@@ -275,6 +275,7 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperatu
     module docstring)."""
     budget_s = budget_s or BUDGET_S
     clock = _Clock(budget_s)
+    was_tuning, gen._tuning = gen._tuning, True  # its generations must not start another tuning (tune_for)
     try:
         # one-time costs of the first calls: untimed
         gen.generate(next(_calibration_prompts(gen)), max_new_tokens=4, temperature=temperature, seed=0)
@@ -330,6 +331,7 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperatu
                       candidates=table, tuning_s=clock.elapsed)
         return choice
     finally:
+        gen._tuning = was_tuning
         clock.close()
 
 

@@ -125,7 +125,7 @@ class SpecGenerator:
         self._retune = False  # measure each band again once (retune=True) instead of reading this machine's record
         self._retuned: set[float] = set()  # the bands measured again so far
         self._band: float | None = None  # the temperature band the current tree (or gamma) was tuned for
-        self._tuning = False
+        self._tuning = False  # the tree tuner is running: its own generations keep the trees it sets
 
     @classmethod
     def from_pretrained(cls, target: str | os.PathLike | PreTrainedModel = EMBEDDED_TARGET,
@@ -253,14 +253,10 @@ class SpecGenerator:
         if not self.autotuned or self._tuning or band == self._band:
             return
         retune = self._retune and band not in self._retuned
-        self._tuning = True  # the tuner's own generations keep the tree it sets
-        try:
-            if isinstance(self.draft, DraftLM):
-                self.gamma = tune_gamma(self, temperature=band, retune=retune)["gamma"]
-            else:
-                self.depth, self.top_k, self.total_tokens = autotune(self, retune=retune, temperature=band)
-        finally:
-            self._tuning = False
+        if isinstance(self.draft, DraftLM):
+            self.gamma = tune_gamma(self, temperature=band, retune=retune)["gamma"]
+        else:
+            self.depth, self.top_k, self.total_tokens = autotune(self, retune=retune, temperature=band)
         self._retuned.add(band)
         self._band = band
 

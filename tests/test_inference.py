@@ -432,6 +432,8 @@ def test_the_tree_follows_the_temperature_band_each_band_tuned_once_by_sampling(
     again.generate("abc", max_new_tokens=4, temperature=0.3, seed=0)
     assert set(records()) == {0.0, 0.3, 1.0}
     assert autotune.temperature_band(0.01) == 0.1 and autotune.temperature_band(0) == 0.0
+    autotune.tune(again, budget_s=1.0, temperature=0.5)  # called directly: its generations start no nested tuning
+    assert set(records()) == {0.0, 0.3, 1.0}
     fixed = SpecGenerator.from_pretrained(target, head, tokenizer=CharTokenizer(), total_tokens=4)
     fixed.generate("abc", max_new_tokens=4, temperature=0.7, seed=0)
     assert fixed.total_tokens == 4 and len(records()) == 3
