@@ -26,10 +26,11 @@ Bounded in time (``budget_s``, 30 s by default; a progress bar shows it) and rob
    weak head, a machine where wider passes cost much more) does not slow generation down. Too little calibration
    data falls back to the default tree.
 
-**Temperature.** Sampling accepts far less than greedy decoding (on MT-Bench with the embedded target, τ about 1.5 at
-T=1 against 3 at T=0), so the best tree differs: a tree is tuned per temperature band (:func:`temperature_band`: 0
-for greedy, else the temperature rounded to 0.1). :class:`griffin.SpecGenerator` tunes the greedy tree when it is
-loaded and a sampled band the first time a generation asks for it.
+**Temperature.** Sampling accepts far less than greedy decoding (on MT-Bench with the embedded target and a 10-token
+lookup chain, fp32: τ 1.40 at T=1 against 2.98 at T=0, ``benchmarks/results/mt_bench-*-lookup10-T*.md``), so the best
+tree differs: a tree is tuned per temperature band (:func:`temperature_band`: 0 for greedy, else the temperature
+rounded to 0.1). :class:`griffin.SpecGenerator` tunes the greedy tree when it is loaded and a sampled band the first
+time a generation asks for it.
 
 The choice is cached per machine, target, dtype, head and temperature band under ``<griffin cache>/autotune/`` with
 the reason for it; ``retune=True`` (``--retune`` on the commands) measures again, ``total_tokens=N`` skips the tuning.
@@ -73,6 +74,11 @@ SPLIT = {"calibration": 0.45, "forward cost": 0.25, "check": 0.30}
 def temperature_band(temperature: float) -> float:
     """The temperature a tree is tuned at for generations at ``temperature``: 0 (greedy) or it rounded to 0.1."""
     return 0.0 if temperature == 0 else max(0.1, round(float(temperature), 1))
+
+
+def _record_path(gen, temperature: float):
+    """Where this machine's tuning record for ``gen`` at the band ``temperature`` is cached."""
+    return cache_dir() / "autotune" / f"{_key(gen, temperature)}.json"
 
 
 def _key(gen, temperature: float) -> str:
@@ -194,7 +200,7 @@ def _calibration_prompts(gen) -> Iterator[torch.Tensor]:
             yield gen.encode(prompt)
 
 
-def _sampling(gen, temperature: float, seed: int) -> tuple:
+def calibration_sampling(gen, temperature: float, seed: int) -> tuple:
     """-> (SamplingConfig, torch.Generator or None) of a calibration generation at ``temperature``."""
     from .sampling import SamplingConfig
 
@@ -214,7 +220,7 @@ def _calibrate(gen, clock: _Clock, max_new_tokens: int, temperature: float) -> t
     try:
         for seed, ids in enumerate(_calibration_prompts(gen)):
             stats = GenerationStats()
-            sampling, generator = _sampling(gen, temperature, seed)
+            sampling, generator = calibration_sampling(gen, temperature, seed)
             for _ in gen._steps(ids, max_new_tokens, sampling, gen.eos_ids(None), generator, stats, trace=trace):
                 clock.tick("calibration")
                 if time.perf_counter() > deadline:
@@ -310,8 +316,8 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperatu
         table.append({"depth": NO_TREE[0], "total_tokens": 0, "tau": tau,
                       "speedup": tau * costs[1] / (interpolate(costs, 1 + gen.lookup) + overhead)})
         rows = {(row["depth"], row["total_tokens"]): row for row in table}
-        contenders = [pick] + [tree for tree in (DEFAULT_TREE, NO_TREE) if tree != pick and (
-            tree == DEFAULT_TREE or best["speedup"] < TRY_NO_TREE_BELOW)]
+        low = best["speedup"] < TRY_NO_TREE_BELOW  # then decoding without a tree is timed too
+        contenders = list(dict.fromkeys([pick, DEFAULT_TREE, *([NO_TREE] if low else [])]))
         reason = f"expected tau {best['tau']:.2f} at {best['speedup']:.2f}x the plain decoding rate"
         measured = {}
         if len(contenders) > 1:
@@ -338,9 +344,8 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperatu
 def tuning_record(gen, temperature: float) -> dict | None:
     """This machine's record of the tree tuned for ``gen`` at ``temperature``'s band (its reason and measurements),
     None if there is none."""
-    path = cache_dir() / "autotune" / f"{_key(gen, temperature_band(temperature))}.json"
     try:
-        return read_json(path, "tuning record")
+        return read_json(_record_path(gen, temperature_band(temperature)), "tuning record")
     except (OSError, ValueError):
         return None
 
@@ -357,7 +362,7 @@ def autotune(gen, retune: bool = False, budget_s: float | None = None,
     """-> (depth, top_k, total_tokens) for ``gen``'s target, head and lookup chain on this machine, for generations
     at ``temperature`` (tuned once per temperature band, then cached)."""
     temperature = temperature_band(temperature)
-    path = cache_dir() / "autotune" / f"{_key(gen, temperature)}.json"
+    path = _record_path(gen, temperature)
     if path.is_file() and not retune:
         try:
             choice = read_json(path, "tuning record")

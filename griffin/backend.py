@@ -13,9 +13,8 @@ logits step from :mod:`griffin.family`, and runs:
   no KV copy, and any SDPA kernel that takes a mask;
 - on CPU, passes of 2..``weight_major_rows`` tokens with the small-input kernels measured fastest on this machine
   for each row count (weight-major or oneDNN linear layers; by default up to the largest count where one still
-  beats ``F.linear``), and
-  one-token passes with the one-row kernel plain decoding takes (:func:`griffin.kernels.choose_kernels`), so that
-  measured costs compare like with like.
+  beats ``F.linear``), and one-token passes with the one-row kernel plain decoding takes
+  (:func:`griffin.kernels.choose_kernels`), so that measured costs compare like with like.
 
 With ``compile`` (off by default) verification passes have static shapes and addresses and run through
 ``torch.compile`` (``compile="reduce-overhead"``: CUDA graphs): the cache writes at a device-side offset and attention

@@ -278,7 +278,7 @@ def tune_gamma(gen, max_gamma: int = MAX_GAMMA, temperature: float = 0.0, retune
     ``temperature``: the target's forward-cost curve t(n), the draft's step cost, and α measured on calibration prompts
     at the temperature's band (:func:`griffin.autotune.temperature_band`; sampled with fixed seeds), cached per machine
     and band; ``retune`` measures again."""
-    from .autotune import CALIBRATION, _sampling, forward_cost, temperature_band
+    from .autotune import CALIBRATION, calibration_sampling, forward_cost, temperature_band
     from .generator import GenerationStats
 
     temperature = temperature_band(temperature)
@@ -298,7 +298,7 @@ def tune_gamma(gen, max_gamma: int = MAX_GAMMA, temperature: float = 0.0, retune
         for seed, prompt in enumerate(CALIBRATION):
             stats = GenerationStats()
             ids = gen.encode([{"role": "user", "content": prompt}])
-            sampling, generator = _sampling(gen, temperature, seed)
+            sampling, generator = calibration_sampling(gen, temperature, seed)
             for _ in gen._steps(ids, CALIBRATION_TOKENS, sampling, gen.eos_ids(None), generator, stats):
                 pass
             for count, n in stats.accepted_hist.items():

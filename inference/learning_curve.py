@@ -18,6 +18,8 @@ import math
 import sys
 from pathlib import Path
 
+import numpy
+
 from griffin.io import read_json
 from training.cli import run_cli
 
@@ -44,11 +46,8 @@ def fit(points: list[tuple[int, float]]) -> dict | None:
     """Least squares ``top1 = a + b ln(tokens)`` -> a, b, and the tokens per doubling's gain; None under 3 points."""
     if len(points) < 3:
         return None
-    xs = [math.log(t) for t, _ in points]
-    ys = [y for _, y in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return {"a": my - b * mx, "b": b, "per_doubling": b * math.log(2), "points": len(points)}
+    b, a = numpy.polyfit([math.log(t) for t, _ in points], [y for _, y in points], 1)
+    return {"a": float(a), "b": float(b), "per_doubling": float(b) * math.log(2), "points": len(points)}
 
 
 def tokens_for(line: dict, top1: float) -> float | None:
