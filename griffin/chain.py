@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import SamplingConfig, warp
+from .sampling import SamplingConfig, greedy, warp
 from .tree import Tree
 from .verify import Acceptance
 
@@ -62,7 +62,7 @@ def chain_accept(tokens: Tensor, q: Tensor, p: Tensor, generator: torch.Generato
 def chain_accept_greedy(tokens: Tensor, p_logits: Tensor) -> tuple[Tensor, Tensor]:
     """tokens [γ], target logits [γ+1, V] -> (accepted count [], next [1]): the longest prefix that is the target's
     argmax, then the target's argmax after it."""
-    best = p_logits.argmax(dim=-1)  # [γ+1]
+    best = greedy(p_logits)  # [γ+1]
     accepted = (tokens == best[:-1]).int().cumprod(0).sum()
     return accepted, best[accepted].view(1)
 

@@ -31,7 +31,7 @@ from .family import output_logits
 from .io import atomic_write_json, read_json
 from .kernels import cpu_name
 from .kv_cache import BufferCache
-from .sampling import SamplingConfig, sample, warp
+from .sampling import SamplingConfig, greedy, sample, warp
 from .target import cache_dir, target_fingerprint
 from .tree import Tree, chain
 
@@ -136,7 +136,7 @@ class DraftLMDrafter:
         picks, qs = [], []
         for i in range(self.depth):
             if self.sampling.greedy:
-                pick = logits.argmax(dim=-1, keepdim=True)  # [1]
+                pick = greedy(logits, keepdim=True)  # [1]
             else:
                 probs = warp(logits, self.sampling)  # [V']
                 pick = sample(probs, self.generator).view(1)

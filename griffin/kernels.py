@@ -172,6 +172,20 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
+# the extensions that set CPU matrix kernels apart
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's matrix and vector extensions among ``VECTOR_FLAGS`` (``/proc/cpuinfo``); empty where unknown."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            flags = next(line.split(":", 1)[1].split() for line in handle if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return [f for f in VECTOR_FLAGS if f in flags]
+
+
 def _switched(model: nn.Module) -> list[nn.Linear]:
     return WeightMajorLinears(model, DEFAULT_MAX_ROWS, "weight-major").linears
 

@@ -39,7 +39,7 @@ from typing import Protocol
 
 import torch
 
-from .sampling import SamplingConfig, sample, warp
+from .sampling import SamplingConfig, greedy, sample, warp
 from .tree import Tree
 
 
@@ -92,7 +92,7 @@ class Greedy:
     """The longest path whose every token is the target's argmax after its parent; the argmax after it is the bonus."""
 
     def accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance:
-        return follow(tree, logits.argmax(dim=-1))
+        return follow(tree, greedy(logits))
 
 
 class TreeSampling:

@@ -31,7 +31,7 @@ from pathlib import Path
 from training.cli import run_cli
 
 from .questions import load_questions
-from .report import command_line, machine_info, markdown_table, write_benchmark
+from .report import command_line, machine_info, machine_text, markdown_table, write_benchmark
 
 HEAD_TREE = {"depth": 1, "top_k": 8, "total_tokens": 3}  # the tree of the head's committed MT-Bench runs
 
@@ -276,8 +276,7 @@ def report(result: dict) -> str:
     speed_head = (f"\n## Speed (greedy, same prompts, interleaved; best student: {result['best_student']})\n\n"
                   f"Fastest plain decoding here: {sp['fastest_plain']}. GRIFFIN head: the shipped "
                   f"{default_head(EMBEDDED_TARGET).name} with tree {HEAD_TREE}.\n\n")
-    foot = (f"\nCommand: `{result['command']}`\n\nMachine: {result['machine']['cpu']}, {result['machine']['cores']} "
-            f"cores, torch {result['machine']['torch']}, {result['machine']['date']}, one-minute load average "
+    foot = (f"\nCommand: `{result['command']}`\n\nMachine: {machine_text(result['machine'])}, one-minute load average "
             f"{result['load_average_before_speed']:.1f} before the speed runs and "
             f"{result['load_average_after_speed']:.1f} after them (a shared machine: ratios from interleaved runs are "
             f"what to read). Training: {result['train_minutes']:.1f} wall-minutes summed over the students; this "

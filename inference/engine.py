@@ -58,7 +58,7 @@ from griffin.plain import plain_generate
 from griffin.sampling import SamplingConfig
 from griffin.target import load_target
 
-from .report import command_line, machine_info, markdown_table, write_benchmark
+from .report import command_line, machine_info, machine_text, markdown_table, write_benchmark
 
 PROMPTS = [  # generic requests, not evaluation questions
     "Explain how a bicycle works.",
@@ -170,7 +170,7 @@ def table(r: dict) -> str:
             f"head with a {r['draft_vocab'] or 'full'} draft vocabulary. Every output equals transformers' "
             f"`generate`.\n\n## Cost of one step\n\n{costs}\n## Ceiling: oracle drafts\n\n{oracle}\n"
             f"## Target forward cost by number of new tokens (256 cached)\n\n{curve}\nCommand: `{r['command']}`\n\n"
-            f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['date']}.\n")
+            f"Machine: {machine_text(m)}.\n")
 
 
 if __name__ == "__main__":

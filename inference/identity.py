@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from griffin.constants import EMBEDDED_TARGET
-from training.cli import run_cli
+from training.cli import run_cli, tree_size
 
 KERNELS = ("linear", "weight-major", "pad")
 
@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bench", default="mt_bench", choices=["mt_bench", "humaneval", "gsm8k"])
     p.add_argument("--limit", type=int, default=20, help="first turns of the first N questions")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--total-tokens", default="auto", help="draft tree size (as inference.speed)")
+    p.add_argument("--total-tokens", type=tree_size, default="auto", help="draft tree size (as inference.speed)")
     p.add_argument("--out-dir", default="benchmarks/results")
     args = p.parse_args(argv)
     if args.limit < 1 or args.max_new_tokens < 1:
@@ -62,7 +62,7 @@ from griffin.sampling import SamplingConfig
 from griffin.target import load_target
 
 from .questions import load_questions
-from .report import command_line, machine_info, markdown_table, write_benchmark
+from .report import command_line, machine_info, machine_text, markdown_table, write_benchmark
 
 
 def ulp(value: float, dtype: torch.dtype) -> float:
@@ -86,8 +86,7 @@ def first_divergence(reference: list[int], other: list[int], logits: torch.Tenso
 @torch.inference_mode()
 def run(args: argparse.Namespace) -> dict:
     target, tokenizer = load_target(args.target, dtype=args.dtype)
-    total = args.total_tokens if args.total_tokens == "auto" else int(args.total_tokens)
-    gen = SpecGenerator.from_pretrained(target, args.draft, tokenizer=tokenizer, total_tokens=total)
+    gen = SpecGenerator.from_pretrained(target, args.draft, tokenizer=tokenizer, total_tokens=args.total_tokens)
     eos = gen.eos_ids(None)
     dtype = next(target.parameters()).dtype
     methods = ["generate, batch of 2"] + [f"plain {k}" for k in KERNELS] + ["speculative"]
@@ -143,8 +142,7 @@ def report(result: dict) -> str:
             "method's token, in rounding steps (ulp) of the dtype at that logit.\n\n"
             + markdown_table(["method", "identical fraction", "prompts diverged", "median margin (ulp)",
                               "max margin (ulp)"], rows)
-            + f"\nCommand: `{result['command']}`\n\nMachine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, "
-            f"{m['date']}.\n")
+            + f"\nCommand: `{result['command']}`\n\nMachine: {machine_text(m)}.\n")
 
 
 def main(argv: list[str] | None = None) -> int:

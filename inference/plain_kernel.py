@@ -28,7 +28,7 @@ from pathlib import Path
 from griffin.constants import EMBEDDED_TARGET
 from training.cli import run_cli
 
-from .report import command_line, machine_info, markdown_table, write_benchmark
+from .report import command_line, machine_info, machine_text, markdown_table, write_benchmark
 
 PROMPT = "Describe how a steam engine turns heat into motion."  # a generic request, not an evaluation question
 RESULTS = Path("benchmarks/results")
@@ -64,7 +64,7 @@ from griffin.family import output_logits
 from griffin.kernels import ONE_ROW_KERNELS, WeightMajorLinears, measure_kernels, pick
 from griffin.kv_cache import BufferCache
 from griffin.plain import plain_generate
-from griffin.sampling import SamplingConfig
+from griffin.sampling import SamplingConfig, greedy
 from griffin.target import load_target
 
 
@@ -82,7 +82,7 @@ def measure(model, ids: torch.Tensor, context: int, rounds: int, new_tokens: int
             t0, c0 = time.perf_counter(), time.process_time()
             hidden = decoder(input_ids=tokens[None, context:], position_ids=position, past_key_values=cache,
                              use_cache=True).last_hidden_state
-            output_logits(model, hidden[0, -1]).argmax()
+            greedy(output_logits(model, hidden[0, -1]))
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         cache.crop(context)
         return wall, cpu
@@ -94,8 +94,9 @@ def measure(model, ids: torch.Tensor, context: int, rounds: int, new_tokens: int
             t = step(k)
             if r >= 3:  # three warm-up rounds
                 times[k].append(t)
-    greedy, no_eos = SamplingConfig(0.0), torch.tensor([], dtype=torch.long)
-    outputs = {k: plain_generate(model, ids, new_tokens, greedy, no_eos, one_row=k) for k in ONE_ROW_KERNELS}
+    no_eos = torch.tensor([], dtype=torch.long)
+    outputs = {k: plain_generate(model, ids, new_tokens, SamplingConfig(0.0), no_eos, one_row=k)
+               for k in ONE_ROW_KERNELS}
     return {k: {"wall_ms": 1000 * statistics.median(w for w, _ in t),
                 "cpu_ms": 1000 * statistics.median(c for _, c in t),
                 "same_tokens_as_linear": bool(torch.equal(outputs[k], outputs["linear"]))} for k, t in times.items()}
@@ -129,8 +130,7 @@ def table(result: dict) -> str:
             + markdown_table(["dtype", "rows", "F.linear ms", *(h for k in kernels for h in (f"{k} ms", f"{k} speed"))],
                              layer_rows)
             + f"\nChoice on this machine: {choices}.\n"
-            + f"\nCommand: `{result['command']}`\n\nMachine: {machine['cpu']}, {machine['cores']} cores, "
-            f"{machine['torch_threads']} torch threads, torch {machine['torch']}, {machine['date']}, load average "
+            + f"\nCommand: `{result['command']}`\n\nMachine: {machine_text(machine)}, load average "
             f"{machine['load_average_1m']} (the cores are shared with other work).\n")
 
 

@@ -16,10 +16,11 @@ def machine_info() -> dict:
     import torch
     import transformers
 
-    from griffin.kernels import cpu_name
+    from griffin.kernels import cpu_flags, cpu_name
 
     info = {
         "cpu": cpu_name(),
+        "cpu_flags": cpu_flags(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -31,6 +32,14 @@ def machine_info() -> dict:
         "load_average_1m": round(os.getloadavg()[0], 2),  # other processes sharing the cores when this finished
     }
     return info
+
+
+def machine_text(machine: dict) -> str:
+    """One line for a result's Machine field: the CPU with its vector extensions (results written before
+    ``cpu_flags`` existed show none), cores, torch threads where recorded, torch and date."""
+    flags = f" ({', '.join(machine['cpu_flags'])})" if machine.get("cpu_flags") else ""
+    threads = f", {machine['torch_threads']} torch threads" if "torch_threads" in machine else ""
+    return f"{machine['cpu']}{flags}, {machine['cores']} cores{threads}, torch {machine['torch']}, {machine['date']}"
 
 
 def command_line(module: str, argv: list[str] | None = None) -> str:

@@ -81,7 +81,7 @@ from griffin.plain import plain_generate
 from griffin.sampling import SamplingConfig
 from griffin.target import load_target
 
-from .report import command_line, machine_info, markdown_table, result_stem
+from .report import command_line, machine_info, machine_text, markdown_table, result_stem
 
 
 class Runner:
@@ -143,13 +143,29 @@ def tuning_summary(gen: SpecGenerator, temperature: float) -> dict | None:
     return {k: record[k] for k in keys if k in record} if record else None
 
 
-def summarise(records: list[dict], args: argparse.Namespace, bench: str, gen: SpecGenerator, tag: str) -> dict:
-    def total(method: str, key: str) -> float:
-        return sum(r[method][key] if key == "seconds" else len(r[method]["tokens"]) for r in records)
+def totals(records: list[dict], methods: list[str]) -> tuple[dict[str, float], dict[str, int], int]:
+    """-> (seconds per method, new tokens per method, verification passes of ours) over ``records``."""
+    seconds = {m: sum(r[m]["seconds"] for r in records) for m in methods}
+    tokens = {m: sum(len(r[m]["tokens"]) for r in records) for m in methods}
+    return seconds, tokens, sum(r["ours"]["stats"]["cycles"] for r in records)
 
-    seconds = {m: total(m, "seconds") for m in args.methods}
-    tokens = {m: total(m, "tokens") for m in args.methods}
-    cycles = sum(r["ours"]["stats"]["cycles"] for r in records)
+
+def turn_summary(records: list[dict], methods: list[str]) -> dict:
+    """τ and the speedups of the prompts of one turn (MT-Bench's follow-up turns carry a longer context)."""
+    seconds, tokens, cycles = totals(records, methods)
+    rate = {m: tokens[m] / seconds[m] for m in methods}
+    plain = {m: rate[m] for m in ("baseline", "own_loop") if m in methods}
+    summary = {"n_prompts": len(records), "tau": tokens["ours"] / cycles if cycles else None,
+               "tokens_per_s": rate["ours"]}
+    if plain:
+        summary["speedup_vs_fastest_plain"] = rate["ours"] / max(plain.values())
+    if "baseline" in methods:
+        summary["speedup"] = rate["ours"] / rate["baseline"]
+    return summary
+
+
+def summarise(records: list[dict], args: argparse.Namespace, bench: str, gen: SpecGenerator, tag: str) -> dict:
+    seconds, tokens, cycles = totals(records, args.methods)
     hist: dict[str, int] = {}
     split = {"draft_s": 0.0, "verify_s": 0.0, "other_s": 0.0, "prefill_s": 0.0}
     for r in records:
@@ -193,6 +209,10 @@ def summarise(records: list[dict], args: argparse.Namespace, bench: str, gen: Sp
     if "prompt_lookup" in args.methods and "baseline" in args.methods:
         result["prompt_lookup_tokens_per_s"] = tokens["prompt_lookup"] / seconds["prompt_lookup"]
         result["peers"] = {"prompt_lookup": result["prompt_lookup_tokens_per_s"] / result["baseline_tokens_per_s"]}
+    turns = sorted({r["turn"] for r in records})
+    if len(turns) > 1:
+        result["by_turn"] = {str(t + 1): turn_summary([r for r in records if r["turn"] == t], args.methods)
+                             for t in turns}
     result["seconds"] = seconds
     result["machine"] = machine_info()
     result["command"] = command_line("inference.speed", args.argv)
@@ -218,13 +238,17 @@ def table(result: dict) -> str:
     if "own_loop_identical_fraction" in result:
         rows.append(["our plain loop identical to generate (fraction of prompts)",
                      result["own_loop_identical_fraction"]])
+    for turn, t in result.get("by_turn", {}).items():
+        speedups = [f"{t[k]:.2f}x {name}" for k, name in (("speedup_vs_fastest_plain", "the fastest plain decoding"),
+                                                          ("speedup", "generate")) if k in t]
+        rows.append([f"turn {turn} ({t['n_prompts']} prompts): τ, speedup vs", f"τ {t['tau']:.2f}; "
+                     + ", ".join(speedups)])
     head = (f"# {result['bench']} · draft {result['draft']} · T={result['temperature']}\n\n"
             f"{result['n_questions']} questions, {result['n_prompts']} prompts, up to {result['max_new_tokens']} new "
             f"tokens, target {result['target']} ({result['dtype']}), tree {result['tree']}.\n\n")
     if result.get("tuning"):
         head += f"Tree chosen by the tuner on this machine: {result['tuning']['reason']}.\n\n"
-    foot = f"\nCommand: `{result['command']}`\n\nMachine: {result['machine']['cpu']}, {result['machine']['cores']} " \
-           f"cores, torch {result['machine']['torch']}, {result['machine']['date']}.\n"
+    foot = f"\nCommand: `{result['command']}`\n\nMachine: {machine_text(result['machine'])}.\n"
     return head + markdown_table(["metric", "value"], rows) + foot
 
 

@@ -63,7 +63,7 @@ from griffin.constants import EMBEDDED_TARGET
 from training.cli import run_cli
 
 from .questions import BENCHES, EXTRA_BENCHES, load_questions
-from .report import command_line, machine_info, markdown_table, write_benchmark
+from .report import command_line, machine_info, machine_text, markdown_table, write_benchmark
 
 CONTINUATIONS = Path("benchmarks/results/continuations")
 FORMAT = 1  # version of the continuation file layout
@@ -692,8 +692,7 @@ def table(result: dict) -> str:
         text += markdown_table(["head", "T", "question/turn", "engine τ", "replay τ", "output = stored continuation"],
                                rows)
     machine = result["machine"]
-    return text + (f"\nCommand: `{result['command']}`\n\nMachine: {machine['cpu']}, {machine['cores']} cores, "
-                   f"{machine['torch_threads']} torch threads, torch {machine['torch']}, {machine['date']}; "
+    return text + (f"\nCommand: `{result['command']}`\n\nMachine: {machine_text(machine)}; "
                    f"{result['seconds']:.0f} s.\n")
 
 

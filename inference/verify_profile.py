@@ -54,9 +54,10 @@ from griffin import DraftConfig, DraftModel, SpecGenerator
 from griffin.autotune import cached_context_forward, forward_cost
 from griffin.target import load_target
 
-from .report import command_line, machine_info, markdown_table, write_benchmark
+from .report import command_line, machine_info, machine_text, markdown_table, write_benchmark
 
-MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"}
+MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
+          "mkldnn::_linear_pointwise"}  # the last: the oneDNN kernel over a packed weight (griffin.kernels)
 COPIES = {"aten::copy_", "aten::cat", "aten::index_copy_", "aten::clone", "aten::contiguous", "aten::empty",
           "aten::empty_like", "aten::empty_strided", "aten::zeros", "aten::to", "aten::_to_copy", "aten::slice",
           "aten::view", "aten::reshape", "aten::_unsafe_view", "aten::expand", "aten::transpose", "aten::t",
@@ -137,8 +138,7 @@ def table(r: dict) -> str:
             f"{r['linear_weight_bytes'] / 1e6:.0f} MB of linear-layer weights per forward.\n\n"
             f"{markdown_table(headers, rows)}\nSlowest operators (self time, ms per forward):\n\n"
             + "".join(f"- n={n}: {text}\n" for n, text in top.items())
-            + f"\nCommand: `{r['command']}`\n\nMachine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, "
-            f"{m['date']}.\n")
+            + f"\nCommand: `{r['command']}`\n\nMachine: {machine_text(m)}.\n")
 
 
 if __name__ == "__main__":

@@ -107,6 +107,19 @@ def tiny_target_dir(tmp_path_factory, smol_tokenizer) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def head_dir(tmp_path_factory, tiny_target_dir) -> Path:
+    """An untrained head saved for the tiny target."""
+    from transformers import AutoConfig
+
+    from griffin import DraftConfig, DraftModel
+
+    folder = tmp_path_factory.mktemp("head")
+    torch.manual_seed(0)
+    DraftModel(DraftConfig.from_target(AutoConfig.from_pretrained(tiny_target_dir))).save_pretrained(folder)
+    return folder
+
+
 def run_module(module: str, *args: str, launcher: list[str] | None = None, timeout: int = 600,
                env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m module args`` (or under a launcher) and capture its output."""

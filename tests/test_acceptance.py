@@ -19,7 +19,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from griffin.sampling import SamplingConfig, warp
+from griffin.sampling import SamplingConfig, greedy, warp
 from griffin.tree import Tree, build_tree
 from griffin.verify import Greedy, TreeSampling
 
@@ -35,6 +35,19 @@ def accept_sampling(tree: Tree, logits: torch.Tensor, cfg: SamplingConfig,
     """The engine's tree-sampling verifier -> (accepted path from the root, bonus [1])."""
     acceptance = TreeSampling(cfg, generator).accept(tree, logits)
     return acceptance.path[: int(acceptance.length) + 1], acceptance.bonus
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_takes_the_first_of_tied_maxima_like_argmax(dtype):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        logits = torch.randint(0, 3, (4, 2000), generator=g).to(dtype)  # many ties at the maximum in every row
+        assert torch.equal(greedy(logits), logits.argmax(dim=-1))
+        assert torch.equal(greedy(logits[0], keepdim=True), logits[0].argmax(dim=-1, keepdim=True))
+    logits = torch.zeros(3, 50, dtype=dtype)
+    logits[:, [7, 30]] = 1.0
+    assert greedy(logits).tolist() == [7, 7, 7]
+
 
 VOCAB = 10
 CHILDREN = {0: [1, 2], 1: [3, 4], 2: [5], 3: [6], 4: [], 5: [], 6: []}  # node -> children in draft order

@@ -15,22 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from griffin import DraftConfig, DraftModel
+from griffin import DraftModel
 from griffin.target import file_lock
 from tests.conftest import run_main, run_module
 from tests.test_features import conversations, write_data
 from training.train import split
-
-
-@pytest.fixture(scope="module")
-def head_dir(tmp_path_factory, tiny_target_dir):
-    """An untrained head saved for the tiny target."""
-    from transformers import AutoConfig
-
-    folder = tmp_path_factory.mktemp("head")
-    torch.manual_seed(0)
-    DraftModel(DraftConfig.from_target(AutoConfig.from_pretrained(tiny_target_dir))).save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -163,8 +152,8 @@ def test_an_out_that_is_a_file_or_not_writable_is_refused_before_any_work(tmp_pa
     ("training.build_features", ["--max-len", "-3"], "argument --max-len: must be an integer >= 1"),
     ("inference.speed", ["--limit", "0"], "argument --limit: must be an integer >= 1"),
     ("inference.speed", ["--limit", "-2"], "argument --limit: must be an integer >= 1"),
-    ("inference.speed", ["--total-tokens", "0"], "argument --total-tokens: must be 'auto' or an integer >= 1"),
-    ("inference.demo", ["--total-tokens", "big"], "argument --total-tokens: must be 'auto' or an integer >= 1"),
+    ("inference.speed", ["--total-tokens", "-1"], "argument --total-tokens: must be 'auto' or an integer >= 0"),
+    ("inference.demo", ["--total-tokens", "big"], "argument --total-tokens: must be 'auto' or an integer >= 0"),
     ("inference.demo", ["--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1"),
     ("inference.chat", ["--temperature", "nan"], "argument --temperature: must be a finite number >= 0"),
     ("inference.chat", ["--temperature", "-0.5"], "argument --temperature: must be a finite number >= 0"),

@@ -133,6 +133,27 @@ def test_speed_run_writes_results(tmp_path, embedded):
     assert not list((tmp_path / "results").glob(".*partial*"))
 
 
+def test_speed_per_turn_reports_tau_and_the_speedup_over_the_fastest_plain_decoding():
+    from inference.speed import table, turn_summary
+
+    def record(turn: int, ours_s: float, cycles: int) -> dict:  # 12 new tokens for every method
+        return {"turn": turn, "ours": {"seconds": ours_s, "tokens": list(range(12)), "stats": {"cycles": cycles}},
+                "baseline": {"seconds": 2.0, "tokens": list(range(12))},
+                "own_loop": {"seconds": 1.5, "tokens": list(range(12))}}
+
+    first = turn_summary([record(0, 1.0, 6), record(0, 1.0, 6)], ["baseline", "ours", "own_loop"])
+    assert first == {"n_prompts": 2, "tau": 2.0, "tokens_per_s": 12.0, "speedup_vs_fastest_plain": 1.5,
+                     "speedup": 2.0}
+    second = turn_summary([record(1, 0.5, 3)], ["ours", "baseline"])  # no own loop: generate is the fastest plain
+    assert second["tau"] == 4.0 and second["speedup_vs_fastest_plain"] == second["speedup"] == 4.0
+    text = table({"bench": "mt_bench", "draft": "h", "temperature": 0.0, "n_questions": 2, "n_prompts": 3,
+                  "max_new_tokens": 12, "target": "t", "dtype": "fp32", "tree": {}, "tau": 2.4, "tokens_per_s": 14.4,
+                  "by_turn": {"1": first, "2": second}, "command": "c",
+                  "machine": {"cpu": "x", "cores": 2, "torch": "2", "date": "d"}})
+    assert "| turn 1 (2 prompts): τ, speedup vs | τ 2.00; 1.50x the fastest plain decoding, 2.00x generate |" in text
+    assert "| turn 2 (1 prompts): τ, speedup vs | τ 4.00; 4.00x the fastest plain decoding, 4.00x generate |" in text
+
+
 def test_resume_keeps_only_questions_with_every_turn(tmp_path):
     from inference.speed import load_partial
 
@@ -197,6 +218,21 @@ def test_ablation_report_and_readme_section(tmp_path):
     assert "ablation.md)" in text and "| GRIFFIN | 3.00 ± 0.10 |" in text
 
 
+def test_machine_line_names_the_vector_extensions_and_the_headline_marks_amx():
+    from griffin.kernels import VECTOR_FLAGS, cpu_flags
+    from inference.headline import cpu_text
+    from inference.report import machine_info, machine_text
+
+    assert set(cpu_flags()) <= set(VECTOR_FLAGS) and machine_info()["cpu_flags"] == cpu_flags()
+    xeon = {"cpu": "Intel(R) Xeon(R) Platinum 8481C CPU", "cores": 2, "torch": "2.13", "date": "today",
+            "cpu_flags": ["avx512f", "amx_tile", "amx_bf16"], "torch_threads": 1}
+    assert machine_text(xeon) == ("Intel(R) Xeon(R) Platinum 8481C CPU (avx512f, amx_tile, amx_bf16), 2 cores, "
+                                  "1 torch threads, torch 2.13, today")
+    assert cpu_text(xeon) == "Intel Xeon Platinum 8481C CPU (AMX)"
+    old = {"cpu": "AMD EPYC", "cores": 2, "torch": "2.13", "date": "today"}  # written before cpu_flags existed
+    assert machine_text(old) == "AMD EPYC, 2 cores, torch 2.13, today" and cpu_text(old) == "AMD EPYC"
+
+
 def test_export_writes_fp16_weights_and_a_card(tmp_path, tiny_target_dir):
     from training import export
 
@@ -223,6 +259,18 @@ def test_export_writes_fp16_weights_and_a_card(tmp_path, tiny_target_dir):
     card = (dst / "README.md").read_text()
     assert card.startswith("# GRIFFIN draft head for tiny") and "| 1 | 0.50 | 0.70 | 1.00 | 1.00 |" in card
     assert "3.10" in card and "python -m inference.speed mt_bench" in card
+
+
+@pytest.mark.parametrize("lookup", ["0", "4"])
+def test_demo_with_no_tree_is_plain_decoding_or_prompt_lookup_alone(tiny_target_dir, head_dir, capsys, lookup):
+    from inference import demo
+
+    assert demo.main(["--target", str(tiny_target_dir), "--draft", str(head_dir), "--total-tokens", "0", "--lookup",
+                      lookup, "--max-new-tokens", "12", "--prompt", "Say something."]) == 0
+    out = capsys.readouterr().out
+    assert "output identical to transformers' generate" in out and "tree of 0 nodes" in out
+    if lookup == "0":
+        assert "tau 1.09 tokens/pass" in out  # 12 tokens, the first from the prompt's pass, then one per pass
 
 
 def test_the_shipped_head_is_the_default_and_accepts_drafts(embedded):
@@ -265,7 +313,8 @@ def test_verify_profile_groups_the_operators_of_one_forward(tmp_path, tiny_targe
         assert run["ops_per_forward"] > 10
     assert result["linear_weight_bytes"] > 0
     assert "matrix products' weight bandwidth" in (tmp_path / "verify-profile.md").read_text()
-    assert verify_profile.group_of("aten::mm") == "matrix products"
+    for matmul in ("aten::mm", "mkldnn::_linear_pointwise"):  # the latter: the oneDNN kernel
+        assert verify_profile.group_of(matmul) == "matrix products"
     assert verify_profile.group_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert verify_profile.group_of("aten::copy_") == "copies and views"
     assert verify_profile.group_of("aten::rsqrt").startswith("elementwise")
@@ -336,7 +385,8 @@ COMMANDS = ["training.build_features", "training.train", "training.export", "tra
             "training.throughput", "training.distill", "training.recipe", "inference.demo", "inference.chat",
             "inference.speed", "inference.ablation", "inference.engine", "inference.headline",
             "inference.verify_profile", "inference.tau", "inference.distill_heads", "inference.distill_lm",
-            "inference.gpu_engine", "inference.plain_kernel", "inference.identity"]
+            "inference.gpu_engine", "inference.plain_kernel", "inference.identity", "inference.greedy_pick",
+            "inference.learning_curve"]
 HELP_WITHOUT_TORCH = """
 import contextlib, io, runpy, sys
 for module in sys.argv[1:]:

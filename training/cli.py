@@ -68,17 +68,18 @@ fraction = _number(float, lambda v: 0 < v < 1, "a number in (0, 1)")
 def add_tree_arguments(p: argparse.ArgumentParser, total_tokens: str | int | None = "auto") -> None:
     """``--total-tokens`` (a fixed tree size, skipping the tuning), ``--retune`` and ``--lookup`` for every generating
     command."""
-    p.add_argument("--total-tokens", type=_tree_size, default=total_tokens,
-                   help="draft tree size: an integer fixes it and skips the tuning; 'auto' (default) uses the size "
-                        "tuned for this machine and head (measured once, in under a minute)")
+    p.add_argument("--total-tokens", type=tree_size, default=total_tokens,
+                   help="draft tree size: an integer fixes it and skips the tuning (0: no tree, so plain decoding, or "
+                        "prompt lookup alone with --lookup); 'auto' (default) uses the size tuned for this machine "
+                        "and head (measured once, in under a minute)")
     p.add_argument("--retune", action="store_true", help="measure the best tree size again (with 'auto')")
     p.add_argument("--lookup", type=nonnegative_int, default=0,
                    help="add to each draft tree a chain of this many tokens copied from the context (prompt lookup; "
                         "0, the default: none); an auto tree size is tuned with the chain")
 
 
-def _tree_size(text: str) -> str | int:
-    return "auto" if text == "auto" else _number(int, lambda v: v >= 1, "'auto' or an integer >= 1")(text)
+def tree_size(text: str) -> str | int:
+    return "auto" if text == "auto" else _number(int, lambda v: v >= 0, "'auto' or an integer >= 0")(text)
 
 
 # --- output folders ------------------------------------------------------------------------------------------------

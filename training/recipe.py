@@ -36,10 +36,13 @@ per chunk, validation reports) to ``--checkpoints/wip-<head>`` (``checkpoints/sm
 ``recipe.json`` there records the settings, the chunks each head has consumed, the learning curve (validation top-1
 against tokens seen) and the seconds of every step of every chunk; ``README.md`` there shows them as tables. With
 ``--commit`` that folder is committed to the current branch: at the first head a run exports, then at most once per
-``--commit-every`` seconds, and at every stage end. A rerun on any machine reads ``recipe.json``: each head continues
-from its committed head (``--init-from``) with the next chunk it has not consumed; features are built only for
-those chunks. Work inside a chunk (regeneration parts, feature shards, training state every 50 updates) resumes on
-the same machine.
+``--commit-every`` seconds, and at every stage end. Every such commit adds the heads' whole weights (about 12 MB a
+head) to what a session submits, and the diffs of a session's commits are capped at 256 MiB together (a session whose
+commits went over landed nothing): run ``--commit`` in a work branch (``git worktree add -b scale ...``) and bring it
+into main with ``git merge --squash scale``, so that a session submits each head once however many chunks it trained.
+A rerun on any machine reads ``recipe.json``: each head continues from its committed head (``--init-from``) with the
+next chunk it has not consumed; features are built only for those chunks. Work inside a chunk (regeneration parts,
+feature shards, training state every 50 updates) resumes on the same machine.
 
 **Learning curve.** Every head is scored after every chunk (``training.evaluate``) on fixed validation sets: chunk 0's
 held-out ShareGPT conversations and chunk 1's held-out answers of the target, taken when the recipe first reaches
