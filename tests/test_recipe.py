@@ -48,10 +48,17 @@ def test_regenerate_answers_only_the_parts_asked_for(tmp_path, tiny_target_dir, 
 def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, tiny_target_dir, monkeypatch,
                                                                       caplog):
     calls = []
+    training = {"now": 0, "most": 0}  # training steps running at once
 
     def in_process(module: str, *argv: str) -> None:  # the recipe's steps, without a process each
         calls.append((module, argv))
-        assert importlib.import_module(module).main(list(argv)) == 0
+        if module == "training.train":
+            training["now"] += 1
+            training["most"] = max(training["most"], training["now"])
+        try:
+            assert importlib.import_module(module).main(list(argv)) == 0
+        finally:
+            training["now"] -= module == "training.train"
 
     monkeypatch.setattr(recipe, "python", in_process)
     data = tmp_path / "d.jsonl"
@@ -90,9 +97,10 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
         shutil.rmtree(folder)
     calls.clear()
     with caplog.at_level(logging.INFO, logger="recipe"):
-        assert recipe.main(argv + ["--prefetch"]) == 0  # chunk 0 is done: chunks 2 and 3 are built ahead
+        assert recipe.main(argv + ["--jobs", "3"]) == 0  # chunk 0 is done: chunks 2 and 3 are built ahead
     assert [r.getMessage() for r in caplog.records if "second process" in r.getMessage()] == [
         f"building chunk {c + 1}'s data in a second process while the heads train on chunk {c}" for c in (1, 2)]
+    assert training["most"] > 1  # heads trained side by side
     state = json.loads((ckpt / "recipe.json").read_text())
     stage1 = [0, 1, 2]
     assert {k: v["chunks"] for k, v in state["heads"].items()} == {
@@ -153,6 +161,6 @@ def test_a_failing_chunk_ends_the_data_build_running_beside_it(tmp_path, monkeyp
     data.write_text("".join(json.dumps(r) + "\n" for r in conversations(4, words=10)))
     t0 = time.time()
     code, err = run_main("training.recipe", "--data", str(data), "--checkpoints", str(tmp_path / "ckpt"), "--work",
-                         str(tmp_path / "work"), "--shard-records", "2", "--prefetch")
+                         str(tmp_path / "work"), "--shard-records", "2", "--jobs", "2")
     assert code == 2 and "training.train failed" in err
     assert time.time() - t0 < 60 and not recipe.RUNNING  # the build was ended, not waited for

