@@ -241,8 +241,8 @@ def table(result: dict) -> str:
     for turn, t in result.get("by_turn", {}).items():
         speedups = [f"{t[k]:.2f}x {name}" for k, name in (("speedup_vs_fastest_plain", "the fastest plain decoding"),
                                                           ("speedup", "generate")) if k in t]
-        rows.append([f"turn {turn} ({t['n_prompts']} prompts): τ, speedup vs", f"τ {t['tau']:.2f}; "
-                     + ", ".join(speedups)])
+        tau = "-" if t["tau"] is None else f"{t['tau']:.2f}"  # None: no verification pass
+        rows.append([f"turn {turn} ({t['n_prompts']} prompts): τ, speedup vs", f"τ {tau}; " + ", ".join(speedups)])
     head = (f"# {result['bench']} · draft {result['draft']} · T={result['temperature']}\n\n"
             f"{result['n_questions']} questions, {result['n_prompts']} prompts, up to {result['max_new_tokens']} new "
             f"tokens, target {result['target']} ({result['dtype']}), tree {result['tree']}.\n\n")

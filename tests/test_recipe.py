@@ -45,8 +45,9 @@ def test_regenerate_answers_only_the_parts_asked_for(tmp_path, tiny_target_dir, 
     assert "generation throughput" in caplog.text
 
 
+@pytest.mark.parametrize("jobs", [1, 3])
 def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, tiny_target_dir, monkeypatch,
-                                                                      caplog):
+                                                                      caplog, jobs):
     calls = []
     training = {"now": 0, "most": 0}  # training steps running at once
 
@@ -97,10 +98,14 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
         shutil.rmtree(folder)
     calls.clear()
     with caplog.at_level(logging.INFO, logger="recipe"):
-        assert recipe.main(argv + ["--jobs", "3"]) == 0  # chunk 0 is done: chunks 2 and 3 are built ahead
-    assert [r.getMessage() for r in caplog.records if "second process" in r.getMessage()] == [
-        f"building chunk {c + 1}'s data in a second process while the heads train on chunk {c}" for c in (1, 2)]
-    assert training["most"] > 1  # heads trained side by side
+        assert recipe.main(argv + ["--jobs", str(jobs)]) == 0
+    ahead = [r.getMessage() for r in caplog.records if "second process" in r.getMessage()]
+    if jobs > 1:  # chunk 0 was trained before: chunks 2 and 3 are built ahead, and heads train side by side
+        assert ahead == [f"building chunk {c + 1}'s data in a second process while the heads train on chunk {c}"
+                         for c in (1, 2)]
+        assert training["most"] > 1
+    else:
+        assert not ahead and training["most"] == 1
     state = json.loads((ckpt / "recipe.json").read_text())
     stage1 = [0, 1, 2]
     assert {k: v["chunks"] for k, v in state["heads"].items()} == {
@@ -126,9 +131,9 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     assert [s["run"]["steps"] for s in stages] == [1, 1, 1, 2]
     assert "GRIFFIN" in (ckpt / "wip-griffin" / "README.md").read_text()
     assert "Learning curve" in (ckpt / "README.md").read_text()
-    assert [r["head"] for r in state["curve"]][:2] == ["griffin-s1", "eagle-s1"] and len(state["curve"]) == 11
+    assert [r["head"] for r in state["curve"]] == ["griffin-s1", "eagle-s1"] * 3 + [h.name for h in recipe.HEADS]
     assert [t["kind"] for t in state["timings"]] == ["sharegpt", "regen", "sharegpt", "regen"]
-    assert all(t["features_s"] >= 0 for t in state["timings"][1:]) and state["timings"][3]["regenerate_s"] >= 0
+    assert all("features_s" in t for t in state["timings"][1:]) and "regenerate_s" in state["timings"][3]
     assert [sorted(t["train_s"]) for t in state["timings"]] == [["eagle-s1", "griffin-s1"]] * 3 + [
         sorted(h.name for h in recipe.HEADS)]
     # on the fresh machine the fixed set's features came from the committed records, and every point was scored
@@ -148,11 +153,22 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     assert code == 2 and "other settings" in err
 
 
-def test_a_failing_chunk_ends_the_data_build_running_beside_it(tmp_path, monkeypatch):
+def test_a_failing_chunk_ends_the_steps_beside_it_and_starts_no_more(tmp_path, monkeypatch):
+    started = tmp_path / "started"
+
+    def step_then_another() -> None:  # a long step, then one that must not start once the recipe stops
+        try:
+            recipe.python("timeit", "-n", "1", "import time; time.sleep(120)")
+        except RuntimeError:
+            pass
+        recipe.python("timeit", "-n", "1", f"open({str(started)!r}, 'w')")
+
     def failing_chunk(args, cfg, state, path, chunk, stop, pool, ahead, last_commit):
-        build = pool.submit(recipe.python, "timeit", "-n", "1", "import time; time.sleep(120)")  # a long data build
-        ahead[chunk + 1] = (build, {})
-        while not recipe.RUNNING:
+        pool.submit(step_then_another)
+        ahead[chunk + 1] = (pool.submit(recipe.python, "timeit", "-n", "1", "import time; time.sleep(120)"), {})
+        pool.submit(recipe.python, "timeit", "-n", "1", f"open({str(started)!r}, 'w')")  # queued behind both
+        deadline = time.time() + 30
+        while len(recipe.RUNNING) < 2 and time.time() < deadline:
             time.sleep(0.05)
         raise RuntimeError("python -m training.train failed with exit code 1")
 
@@ -163,4 +179,18 @@ def test_a_failing_chunk_ends_the_data_build_running_beside_it(tmp_path, monkeyp
     code, err = run_main("training.recipe", "--data", str(data), "--checkpoints", str(tmp_path / "ckpt"), "--work",
                          str(tmp_path / "work"), "--shard-records", "2", "--jobs", "2")
     assert code == 2 and "training.train failed" in err
-    assert time.time() - t0 < 60 and not recipe.RUNNING  # the build was ended, not waited for
+    assert time.time() - t0 < 60 and not recipe.RUNNING  # the steps were ended, not waited for
+    assert not started.exists()  # neither the queued step nor the one after the ended step ran
+
+
+def test_the_next_chunk_is_built_ahead_only_for_a_head_that_will_train_on_it():
+    from argparse import Namespace
+
+    cfg = {"stage_ends": [2, 3, 4]}  # chunks 0-1 stage 1, chunk 2 stage 2, chunk 3 stage 3
+    state = {"heads": {"griffin-s1": {"chunks": [0]}, "eagle-s1": {"chunks": [0]}}}
+    eagle_s1 = next(h for h in recipe.STAGE1 if h.name == "eagle-s1")
+    # griffin-s1 lags (it is not among the heads of this run): chunk 2 would wait for it, so nothing is built ahead
+    assert recipe.next_chunk(Namespace(heads=["eagle-s1", "griffin"]), cfg, state, 1, [eagle_s1], 4) is None
+    # eagle-s1 training on chunk 1 makes its forks (HASS, EAGLE-2, w/o TAD) due on chunk 2
+    assert recipe.next_chunk(Namespace(heads=[]), cfg, state, 1, [eagle_s1], 4) == 2
+    assert recipe.next_chunk(Namespace(heads=[]), cfg, state, 3, [], 4) is None  # the last chunk of the run

@@ -69,6 +69,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -222,20 +223,27 @@ def load_state(path: Path, cfg: dict) -> dict:
 
 
 RUNNING: set[subprocess.Popen] = set()  # the steps' processes now running (up to --jobs)
+STOPPING = threading.Event()  # set when the run fails or is interrupted: no step starts after it
+PROCESSES = threading.Lock()  # guards RUNNING and the check of STOPPING before a step starts
 
 
 def python(module: str, *argv: str) -> None:
     """Run ``python -m module argv`` as its own process (its output goes to this log), or fail."""
-    log.info("$ python -m %s %s", module, " ".join(argv))
-    with subprocess.Popen([sys.executable, "-m", module, *argv]) as proc:
+    with PROCESSES:
+        if STOPPING.is_set():
+            raise RuntimeError(f"not starting python -m {module}: the recipe is stopping")
+        log.info("$ python -m %s %s", module, " ".join(argv))
+        proc = subprocess.Popen([sys.executable, "-m", module, *argv])
         RUNNING.add(proc)
+    with proc:
         try:
             code = proc.wait()
         except BaseException:
             proc.kill()
             raise
         finally:
-            RUNNING.discard(proc)
+            with PROCESSES:
+                RUNNING.discard(proc)
     if code != 0:
         raise RuntimeError(f"python -m {module} failed with exit code {code}")
 
@@ -550,12 +558,19 @@ def plan_text(cfg: dict, state: dict) -> str:
             "consumed: " + ", ".join(f"{h.name} {consumed_text(state, h)}" for h in STAGE1 + HEADS) + ".")
 
 
-def next_chunk(args, cfg: dict, state: dict, chunk: int, stop: int) -> int | None:
-    """The chunk after ``chunk`` if a head will train on it in this run (what ``--jobs`` 2 or more builds ahead)."""
+def next_chunk(args, cfg: dict, state: dict, chunk: int, todo: list[Head], stop: int) -> int | None:
+    """The chunk after ``chunk`` if a head will train on it in this run once the heads ``todo`` have trained on
+    ``chunk`` (what ``--jobs`` 2 or more builds ahead)."""
     following = chunk + 1
     if following >= stop:
         return None
-    wanted = [h for h in heads_of(stage_of(cfg, following)) if chunks_done(state, h) <= following
+    training = {h.name for h in todo}
+
+    def done_after(h: Head) -> int:  # chunks consumed once this chunk is trained (a fork counts its parent's)
+        moves = h.name in training or (h.name not in state["heads"] and h.parent in training)
+        return chunks_done(state, h) + moves
+
+    wanted = [h for h in heads_of(stage_of(cfg, following)) if done_after(h) == following
               and (not args.heads or h.name in args.heads)]
     return following if wanted else None
 
@@ -566,8 +581,28 @@ def add_seconds(timing: dict, seconds: dict) -> None:
         timing[key] = timing.get(key, 0) + value
 
 
+def stop_steps(pool: ThreadPoolExecutor) -> None:
+    """After a failure or Ctrl-C: queued steps never start and running ones end (the finished shards, parts and
+    training states of a step are kept, so a rerun resumes them)."""
+    STOPPING.set()
+    pool.shutdown(wait=False, cancel_futures=True)
+    with PROCESSES:
+        for proc in RUNNING:
+            proc.terminate()
+
+
+def collect_ahead(state: dict, cfg: dict, ahead: dict[int, tuple[Future, dict]]) -> None:
+    """Add the seconds of a data build that ran ahead to its chunk's row as soon as it is done (so that they are
+    saved even if the run stops before that chunk starts); the build's record keeps nothing to add twice."""
+    for chunk, (future, seconds) in ahead.items():
+        if future.done() and seconds:
+            add_seconds(chunk_timing(state, cfg, chunk), seconds)
+            seconds.clear()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    STOPPING.clear()  # a run in this process after a stopped one
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)  # for every step's process
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -591,8 +626,7 @@ def main(argv: list[str] | None = None) -> int:
             for chunk in range(stop):
                 last_commit = run_chunk(args, cfg, state, path, chunk, stop, pool, ahead, last_commit)
         except BaseException:
-            for proc in list(RUNNING):  # the next chunk's data build: its finished shards and parts are kept
-                proc.terminate()
+            stop_steps(pool)
             raise
     print(plan_text(cfg, state))
     return 0
@@ -618,7 +652,7 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
     fixed_stores = fixed_val_stores(args, cfg, chunk)
     backfill_fixed_val(args, state, fixed_stores)
     save_state(path, cfg, state)
-    following = next_chunk(args, cfg, state, chunk, stop) if args.jobs > 1 else None
+    following = next_chunk(args, cfg, state, chunk, todo, stop) if args.jobs > 1 else None
     if following is not None:
         seconds = {}  # filled by the thread, added to the chunk's row of timings when the chunk starts
         ahead[following] = (pool.submit(build_chunk, args, cfg, following, seconds), seconds)
@@ -631,6 +665,7 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
         timing["train_s"][head.name] = train_seconds(run)
         export(args, state, head, chunk, run, fixed)
         last = head is todo[-1]
+        collect_ahead(state, cfg, ahead)
         save_state(path, cfg, state)
         stage_end = last and chunk + 1 in (cfg["stage_ends"][stage - 1], stop)
         if args.commit and (stage_end or time.time() - last_commit >= args.commit_every):
