@@ -163,13 +163,18 @@ class KernelChoice:
     source: str  # "measured", "cached", "default" (not measured) or "gpu"
 
 
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` line's value in ``/proc/cpuinfo``; None where there is none."""
     try:
         with open("/proc/cpuinfo") as handle:
-            return next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+            return next(line.split(":", 1)[1].strip() for line in handle if line.startswith(field))
     except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
+        return None
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 # the extensions that set CPU matrix kernels apart
@@ -178,11 +183,7 @@ VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_til
 
 def cpu_flags() -> list[str]:
     """The CPU's matrix and vector extensions among ``VECTOR_FLAGS`` (``/proc/cpuinfo``); empty where unknown."""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            flags = next(line.split(":", 1)[1].split() for line in handle if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return []
+    flags = (_cpuinfo("flags") or "").split()
     return [f for f in VECTOR_FLAGS if f in flags]
 
 

@@ -575,12 +575,6 @@ def next_chunk(args, cfg: dict, state: dict, chunk: int, todo: list[Head], stop:
     return following if wanted else None
 
 
-def add_seconds(timing: dict, seconds: dict) -> None:
-    """Add a step's seconds (``regenerate_s``, ``features_s``) measured elsewhere to a chunk's row of timings."""
-    for key, value in seconds.items():
-        timing[key] = timing.get(key, 0) + value
-
-
 def stop_steps(pool: ThreadPoolExecutor) -> None:
     """After a failure or Ctrl-C: queued steps never start and running ones end (the finished shards, parts and
     training states of a step are kept, so a rerun resumes them)."""
@@ -596,7 +590,9 @@ def collect_ahead(state: dict, cfg: dict, ahead: dict[int, tuple[Future, dict]])
     saved even if the run stops before that chunk starts); the build's record keeps nothing to add twice."""
     for chunk, (future, seconds) in ahead.items():
         if future.done() and seconds:
-            add_seconds(chunk_timing(state, cfg, chunk), seconds)
+            timing = chunk_timing(state, cfg, chunk)
+            for key, value in seconds.items():  # regenerate_s, features_s
+                timing[key] = timing.get(key, 0) + value
             seconds.clear()
 
 
@@ -643,9 +639,9 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
         return last_commit
     timing = chunk_timing(state, cfg, chunk)
     if chunk in ahead:
-        future, seconds = ahead.pop(chunk)
-        store = future.result()
-        add_seconds(timing, seconds)
+        store = ahead[chunk][0].result()
+        collect_ahead(state, cfg, ahead)  # its seconds, if not added yet
+        del ahead[chunk]
     else:
         store = build_chunk(args, cfg, chunk, timing)
     timing["tokens"] = json.loads((store / MANIFEST).read_text())["num_tokens"]
