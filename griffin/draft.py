@@ -88,8 +88,10 @@ class Attention(nn.Module):
         return q, k, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """q [B, nh, T, D], k/v [B, nkv, S, D], mask bool [B or 1, 1, T, S] (True = attend) -> [B, T, nh*D]."""
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv)
+        """q [B, nh, T, D], k/v [B, nkv, S, D], mask bool [B or 1, 1, T, S] (True = attend; None: causal, S = T)
+        -> [B, T, nh*D]."""
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=self.nh != self.nkv)
         return self.o_proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], self.nh * self.d))
 
 
@@ -220,8 +222,8 @@ class DraftModel(nn.Module):
             k, v = torch.cat((past_kv[0], k_new), dim=2), torch.cat((past_kv[1], v_new), dim=2)
         else:
             k, v = k_new, v_new
-        if mask is None:
-            t, s = q.shape[2], k.shape[2]
+        t, s = q.shape[2], k.shape[2]
+        if mask is None and s != t:  # causal over the new positions with the past in front (s == t: SDPA's own)
             mask = torch.ones(t, s, dtype=torch.bool, device=h.device).tril(s - t)[None, None]
         out = self.layer.finish(h + self.layer.self_attn.attend(q, k, v, mask))
         hsz = self.config.hidden_size

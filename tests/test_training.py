@@ -275,18 +275,25 @@ def test_context_vocabulary_grows_along_the_conversation_only():
     out = objective(batch, vocab)
     assert len(vocab) <= 50 and torch.isfinite(out["loss_sums"]).all()
     # top-50 covers every proposable token: the true next token x_{t+2} is a hit iff it is static or the
-    # conversation showed it at or before x_{t+1} (position t reads x_{t+1}); later tokens are not proposable yet
-    hits, want = passes[0].hitk, torch.zeros_like(passes[0].hitk)
+    # conversation showed it at or before x_{t+1} (position t reads x_{t+1}); later tokens are not proposable yet.
+    # Only the positions of the data mask carry logits (and hits)
+    first = passes[0]
+    hits, want = first.hitk, torch.zeros_like(first.hitk)
+    assert torch.equal(first.mask, batch.data_mask * batch.valid) and len(first.rows) == first.mask.sum()
     for b in range(batch.tokens.shape[0]):
         for t in range(batch.tokens.shape[1]):
+            row = first.row_of(b, t)
+            assert (row is not None) == bool(first.mask[b, t])
+            if row is None:
+                continue
             nxt = batch.next_tokens[b, t].item()
             context = set(batch.tokens[b, : t + 1].tolist())
             want[b, t] = float(nxt >= 0 and (nxt in {0, 1, 2, 3} or nxt in context))
             local = vocab.tolist()
-            proposable = torch.isfinite(passes[0].logits[b, t])
+            proposable = torch.isfinite(first.logits[row])
             assert proposable.tolist() == [v in {0, 1, 2, 3} or v in context for v in local]
-            assert torch.equal(torch.isfinite(passes[0].target_logits[b, t]), proposable)
-    assert torch.equal(hits, want) and 0 < want.sum() < batch.valid.sum()
+            assert torch.equal(torch.isfinite(first.target_logits[row]), proposable)
+    assert torch.equal(hits, want) and 0 < want.sum() < first.mask.sum()
 
 
 def explicit_chain(draft: DraftModel, batch, vocab: torch.Tensor, b: int, t: int, k: int, topk: int):
@@ -332,11 +339,14 @@ def test_rollout_equals_an_explicit_draft_chain_per_position(arch):
                     assert out.mask[b, t] == 0  # a chain cannot start before the conversation
                     continue
                 logits, labels, aligned, regress = explicit_chain(draft, batch, vocab, b, t, k, topk)
-                torch.testing.assert_close(out.logits[b, t], logits, rtol=1e-4, atol=1e-4)
-                torch.testing.assert_close(out.target_logits[b, t], labels, rtol=1e-4, atol=1e-4)
                 torch.testing.assert_close(out.regress[b, t], regress, rtol=1e-4, atol=1e-4)
                 kept = aligned and bool(data[b, t - k + 1 : t + 1].all())
                 assert out.mask[b, t].item() == float(kept), (b, t, k)
+                row = out.row_of(b, t)
+                assert (row is not None) == kept, (b, t, k)
+                if kept:  # logits exist on the kept positions only
+                    torch.testing.assert_close(out.logits[row], logits, rtol=1e-4, atol=1e-4)
+                    torch.testing.assert_close(out.target_logits[row], labels, rtol=1e-4, atol=1e-4)
                 checked[k] += kept
     assert all(checked[k] > 0 for k in checked), checked  # every pass keeps some positions
     assert checked[3] < checked[1]
@@ -356,17 +366,37 @@ def test_adaspec_trains_on_the_top_fraction_of_aligned_positions_by_delta():
                                    reference=reference, select_frac=0.4)
     out = objective(batch)
     passes = objective.rollout(batch)
-    ref = Rollout(reference, 2, 0)(batch)
+    ref = Rollout(reference, 2, 0)(batch)  # topk 0 keeps the same positions as the draft's (no token mask)
     for k in range(2):
         kept = passes[k].mask.bool()
+        assert torch.equal(ref[k].rows, passes[k].rows)
         assert out["kept"][k] == kept.sum() and out["counts"][k] == math.ceil(0.4 * kept.sum().item())
         delta = per_token_fkl(passes[k].target_logits, passes[k].logits) - per_token_fkl(ref[k].target_logits,
-                                                                                         ref[k].logits)
-        chosen = adaspec_select(delta, kept, 0.4)
+                                                                                         ref[k].logits)  # [N]
+        chosen = adaspec_select(delta, torch.ones_like(delta), 0.4)
         want, _ = HeadLoss(make_token_loss("fkl"))(passes[k], batch.targets, chosen)
         torch.testing.assert_close(out["loss_sums"][k], want)
-        assert delta[chosen].min() >= delta[kept & ~chosen].max()
+        assert delta[chosen].min() >= delta[~chosen].max()
     assert torch.equal(objective.eval()(batch)["counts"], out["kept"])  # validation scores every aligned position
+
+
+def test_a_reference_rollout_scores_the_drafts_positions():
+    target = tiny_model(vocab_size=60, hidden=32)
+    torch.manual_seed(0)
+    draft = DraftModel(DraftConfig.from_target(target.config, arch="griffin")).attach(target)
+    torch.manual_seed(1)
+    reference = DraftModel(DraftConfig.from_target(target.config, arch="griffin")).attach(target)
+    batch = make_batch(synthetic_items(target, 4, 14))
+    passes = Rollout(draft, 3, topk=2, noise=0)(batch)
+    own = Rollout(reference, 3, topk=0, noise=0)(batch)  # no token mask: a superset of the draft's positions
+    forced = Rollout(reference, 3, topk=0, noise=0)(batch, masks=[out.mask for out in passes])
+    assert len(passes[2].rows) < len(own[2].rows)
+    for mine, theirs, full in zip(passes, forced, own, strict=True):
+        assert torch.equal(theirs.rows, mine.rows) and torch.equal(theirs.mask, mine.mask)
+        at = torch.searchsorted(full.rows, mine.rows)
+        assert torch.equal(full.rows[at], mine.rows)
+        torch.testing.assert_close(theirs.logits, full.logits[at])
+        torch.testing.assert_close(theirs.target_logits, full.target_logits[at])
 
 
 def test_distillation_flags_train_record_and_reach_the_card(tmp_path, tiny_store):

@@ -43,7 +43,9 @@ NAMES = TOKEN_LOSSES
 def scaled(logits: Tensor, keep: Tensor, temperature: float = 1.0) -> Tensor:
     """logits [..., V] -> fp32 logits / temperature; rows outside ``keep`` [...] are replaced by zeros (uniform) first,
     so that an all ``-inf`` padding row cannot produce NaN in the value or the gradient."""
-    x = torch.where(keep[..., None], logits.float(), 0.0)
+    x = logits.float()
+    if not bool(keep.all()):  # a head's rollout passes only kept rows: no full-size copy then
+        x = torch.where(keep[..., None], x, 0.0)
     return x / temperature if temperature != 1.0 else x
 
 

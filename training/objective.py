@@ -128,15 +128,30 @@ def first_seen(tokens: torch.Tensor, valid: torch.Tensor, to_local: torch.Tensor
 
 
 class PassOutput(NamedTuple):
-    """What one pass of the rollout produced (all [B, T, ...])."""
+    """What one pass of the rollout produced. The vocabulary-sized tensors cover only the N positions the pass keeps
+    (``rows``, flat indices into B*T where ``mask`` is 1): the others are outside every loss and every report, and
+    skipping them saves most of a training step's logits work (a quarter of ShareGPT's positions are not the
+    assistant's, and the alignment mask drops more at every later pass)."""
 
-    logits: torch.Tensor  # [B, T, V] fp32 draft logits, -inf on tokens not proposable at that position and pass
-    target_logits: torch.Tensor  # [B, T, V] fp32 target logits LM(F_{t+1}), -inf alike (the soft labels' support)
+    logits: torch.Tensor  # [N, V] fp32 draft logits, -inf on tokens not proposable at that position and pass
+    target_logits: torch.Tensor  # [N, V] fp32 target logits LM(F_{t+1}), -inf alike (the soft labels' support)
+    rows: torch.Tensor  # [N] flat positions b*T + t of the kept positions, ascending
     predict: torch.Tensor  # [B, T, H]
     regress: torch.Tensor  # [B, T, H]
     mask: torch.Tensor  # [B, T] 0/1: positions on a branch the draft tree contains (pass 1: the data mask)
-    hit1: torch.Tensor  # [B, T] 0/1: the true next token is the draft's top-1
-    hitk: torch.Tensor  # [B, T] 0/1: ... is among its top report_k
+    hit1: torch.Tensor  # [B, T] 0/1: the true next token is the draft's top-1 (0 outside the mask)
+    hitk: torch.Tensor  # [B, T] 0/1: ... is among its top report_k (0 outside the mask)
+
+    def row_of(self, b: int, t: int) -> int | None:
+        """Index into ``logits`` / ``target_logits`` of position (b, t); None if the pass does not keep it."""
+        flat = b * self.mask.shape[1] + t
+        i = int(torch.searchsorted(self.rows, flat))
+        return i if i < len(self.rows) and int(self.rows[i]) == flat else None
+
+
+def scatter_rows(values: torch.Tensor, rows: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """values [N] at flat ``rows`` -> a [B, T] tensor of ``shape``, 0 elsewhere."""
+    return torch.zeros(shape.numel(), dtype=values.dtype, device=values.device).index_copy_(0, rows, values).view(shape)
 
 
 class Rollout:
@@ -164,50 +179,60 @@ class Rollout:
         u = torch.rand(features.shape, generator=generator, device=features.device, dtype=features.dtype)
         return features + (u - 0.5) * self.noise * 512 / features.shape[1]
 
-    def __call__(self, batch: Batch, vocab: torch.Tensor | None = None,
-                 features: torch.Tensor | None = None) -> list[PassOutput]:
+    def __call__(self, batch: Batch, vocab: torch.Tensor | None = None, features: torch.Tensor | None = None,
+                 masks: list[torch.Tensor] | None = None) -> list[PassOutput]:
         """``vocab``: target ids the head may propose (default: its static draft vocabulary); ``features``: the
-        pass-1 input features (default: the batch's, without noise)."""
+        pass-1 input features (default: the batch's, without noise); ``masks``: the kept positions of each pass,
+        instead of this head's own alignment masks (AdaSPEC scores a reference head on the draft's positions)."""
         draft = self.draft
         b, t = batch.tokens.shape
         device = batch.tokens.device
         position_ids = torch.arange(t, device=device)[None].expand(b, t)
         vocab = draft.static_vocab().to(device) if vocab is None else vocab
         weight = draft.lm_weight_full()[vocab]  # [V, H] frozen lm_head rows of the proposable tokens
-        with torch.no_grad():
-            target_logits = draft.logits_transform(F.linear(batch.targets, weight)).float()  # [B, T, V]
+        data_mask = batch.data_mask * batch.valid
+        data_rows = data_mask.flatten().nonzero().squeeze(1)  # [N1]: every later pass keeps a subset of these
+        label_row = torch.full((b * t,), -1, dtype=torch.long, device=device)
+        label_row[data_rows] = torch.arange(len(data_rows), device=device)
+        with torch.no_grad():  # [N1, V]
+            target_logits = draft.logits_transform(F.linear(batch.targets.flatten(0, 1)[data_rows], weight)).float()
         to_local = torch.full((draft.config.vocab_size,), -1, dtype=torch.long, device=device)
         to_local[vocab] = torch.arange(vocab.shape[0], device=device)
-        gt = torch.where(batch.next_tokens >= 0, to_local[batch.next_tokens.clamp(min=0)], -1)  # [B, T], -1: absent
+        gt = torch.where(batch.next_tokens >= 0, to_local[batch.next_tokens.clamp(min=0)], -1).flatten()  # -1: absent
         seen = None
         if draft.draft_vocab is not None and draft.config.context_vocab:
             seen = first_seen(batch.tokens, batch.valid, to_local, draft.static_vocab().to(device), vocab.shape[0])
         features = batch.features if features is None else features
-        data_mask = batch.data_mask * batch.valid
-        mask = data_mask
+        mask = data_mask if masks is None else masks[0]
         keys, values, passes = [], [], []
         for k in range(1, self.steps + 1):
             h = draft.fuse(batch.tokens, features)
             past = (torch.cat(keys, dim=2), torch.cat(values, dim=2)) if keys else None
-            out = draft.forward_fused(h, position_ids, version_mixed_mask(k, batch.valid), past_kv=past)
+            # pass 1 is causal attention (padding is on the right, after every real query): no mask needed
+            attend = version_mixed_mask(k, batch.valid) if k > 1 else None
+            out = draft.forward_fused(h, position_ids, attend, past_kv=past)
             keys.append(out.key)
             values.append(out.value)
-            logits = draft.logits_transform(F.linear(out.predict, weight.to(out.predict.dtype))).float()  # [B, T, V]
-            labels, gt_k = target_logits, gt
+            rows = mask.flatten().nonzero().squeeze(1)  # [N]
+            predict = out.predict.flatten(0, 1)[rows]
+            logits = draft.logits_transform(F.linear(predict, weight.to(predict.dtype))).float()  # [N, V]
+            labels = target_logits if len(rows) == len(data_rows) else target_logits[label_row[rows]]
+            gt_k = gt[rows]
             if seen is not None:
-                context_end = torch.arange(t, device=device) - (k - 1)  # [T] last context position of the tree
-                blocked = seen[:, None, :] > context_end[None, :, None]  # [B, T, V]
+                context_end = (rows % t - (k - 1)).split(torch.bincount(rows // t, minlength=b).tolist())
+                # [N, V]: a conversation at a time, so that seen [B, V] is never copied per position
+                blocked = torch.cat([seen[i] > end[:, None] for i, end in enumerate(context_end)])
                 logits = logits.masked_fill(blocked, -torch.inf)
-                labels = target_logits.masked_fill(blocked, -torch.inf)
-                gt_k = torch.where(blocked.gather(-1, gt.clamp(min=0)[..., None])[..., 0], -1, gt)
+                labels = labels.masked_fill(blocked, -torch.inf)
+                gt_k = torch.where(blocked.gather(-1, gt_k.clamp(min=0)[:, None])[:, 0], -1, gt_k)
             with torch.no_grad():
-                ranked = logits.topk(min(self.report_k, logits.shape[-1]), dim=-1).indices  # [B, T, k]
-                hit1 = (ranked[..., 0] == gt_k).float()
-                hitk = (ranked == gt_k[..., None]).any(-1).float()
-            passes.append(PassOutput(logits, labels, out.predict, out.regress, mask, hit1, hitk))
+                ranked = logits.topk(min(self.report_k, logits.shape[-1]), dim=-1).indices  # [N, k]
+                hit1 = scatter_rows((ranked[:, 0] == gt_k).float(), rows, mask.shape)
+                hitk = scatter_rows((ranked == gt_k[:, None]).any(-1).float(), rows, mask.shape)
+            passes.append(PassOutput(logits, labels, rows, out.predict, out.regress, mask, hit1, hitk))
             if k < self.steps:
                 aligned = hitk if self.topk else torch.ones_like(hitk)  # topk 0: no token mask (HASS)
-                mask = next_masks(mask, aligned, data_mask)
+                mask = next_masks(mask, aligned, data_mask) if masks is None else masks[k]
                 shifted = torch.zeros_like(out.regress)
                 shifted[:, 1:] = out.regress[:, :-1].detach()
                 shifted[:, 0] = features[:, 0]
@@ -223,17 +248,19 @@ class HeadLoss:
 
     def __call__(self, out: PassOutput, regress_targets: torch.Tensor,
                  keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (loss sum, number of positions) over ``out.mask`` (narrowed to ``keep`` [B, T] bool if given)."""
-        mask = out.mask if keep is None else out.mask * keep
+        """-> (loss sum, number of positions) over the pass's kept positions (narrowed to ``keep`` [N] bool, over
+        ``out.rows``, if given)."""
+        mask = torch.ones(len(out.rows), device=out.rows.device) if keep is None else keep.float()  # [N]
         token = self.token_loss(out.target_logits, out.logits, mask)
-        regress = F.smooth_l1_loss(out.regress.float(), regress_targets, reduction="none").mean(-1)
+        regress = F.smooth_l1_loss(out.regress.flatten(0, 1)[out.rows].float(), regress_targets.flatten(0, 1)[out.rows],
+                                   reduction="none").mean(-1)
         loss = self.w_regress * regress + self.w_token * token
         return (loss * mask).sum(), mask.sum()
 
 
 class AdaSpecSelector:
     """AdaSPEC: per pass, keep the ``frac`` of kept positions where the draft's per-token FKL exceeds a frozen
-    reference head's the most (``Δ = L_draft − L_ref``); the reference runs its own rollout on the same inputs."""
+    reference head's the most (``Δ = L_draft − L_ref``); the reference runs its own rollout on the same inputs and positions."""
 
     def __init__(self, reference: DraftModel, steps: int, frac: float):
         if not 0 < frac <= 1:
@@ -243,12 +270,12 @@ class AdaSpecSelector:
     @torch.no_grad()
     def __call__(self, batch: Batch, vocab: torch.Tensor | None, features: torch.Tensor,
                  passes: list[PassOutput]) -> list[torch.Tensor]:
-        reference = self.rollout(batch, vocab, features)
+        """-> per pass, bool [N] over its kept positions (``PassOutput.rows``): the ones to train on."""
+        reference = self.rollout(batch, vocab, features, masks=[out.mask for out in passes])
         keep = []
         for out, ref in zip(passes, reference, strict=True):
-            delta = per_token_fkl(out.target_logits, out.logits, out.mask) - per_token_fkl(ref.target_logits,
-                                                                                           ref.logits, out.mask)
-            keep.append(adaspec_select(delta, out.mask, self.frac))
+            delta = per_token_fkl(out.target_logits, out.logits) - per_token_fkl(ref.target_logits, ref.logits)
+            keep.append(adaspec_select(delta, torch.ones_like(delta), self.frac))
         return keep
 
 
