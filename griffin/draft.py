@@ -213,7 +213,9 @@ class DraftModel(nn.Module):
         """
         return self.forward_fused(self.fuse(input_ids, features), position_ids, mask, cache, past_kv)
 
-    def forward_fused(self, h, position_ids, mask=None, cache=None, past_kv=None) -> DraftOutput:
+    def forward_fused(self, h, position_ids, mask=None, cache=None, past_kv=None, queries=None) -> DraftOutput:
+        """``queries`` [B, Tq]: the positions (indices into T) whose outputs are wanted; the MLP runs at those only
+        (training's first pass needs every key but not every output)."""
         cos, sin = self.rotary(h, position_ids)
         q, k_new, v_new = self.layer.self_attn.project(h, cos, sin)
         if cache is not None:
@@ -225,7 +227,10 @@ class DraftModel(nn.Module):
         t, s = q.shape[2], k.shape[2]
         if mask is None and s != t:  # causal over the new positions with the past in front (s == t: SDPA's own)
             mask = torch.ones(t, s, dtype=torch.bool, device=h.device).tril(s - t)[None, None]
-        out = self.layer.finish(h + self.layer.self_attn.attend(q, k, v, mask))
+        r = h + self.layer.self_attn.attend(q, k, v, mask)
+        if queries is not None:
+            r = r.gather(1, queries[..., None].expand(-1, -1, r.shape[2]))
+        out = self.layer.finish(r)
         hsz = self.config.hidden_size
         if self.config.is_griffin:
             return DraftOutput(out[..., :hsz], out[..., hsz:], k_new, v_new)

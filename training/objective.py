@@ -128,16 +128,16 @@ def first_seen(tokens: torch.Tensor, valid: torch.Tensor, to_local: torch.Tensor
 
 
 class PassOutput(NamedTuple):
-    """What one pass of the rollout produced. The vocabulary-sized tensors cover only the N positions the pass keeps
-    (``rows``, flat indices into B*T where ``mask`` is 1): the others are outside every loss and every report, and
-    skipping them saves most of a training step's logits work (a quarter of ShareGPT's positions are not the
-    assistant's, and the alignment mask drops more at every later pass)."""
+    """What one pass of the rollout produced, at the N positions the pass keeps (``rows``, flat indices into B*T
+    where ``mask`` is 1). The others are outside every loss and every report, and no later pass reads them, so the
+    rollout computes nothing there (a quarter of ShareGPT's positions are not the assistant's, and the alignment mask
+    drops more at every later pass)."""
 
     logits: torch.Tensor  # [N, V] fp32 draft logits, -inf on tokens not proposable at that position and pass
     target_logits: torch.Tensor  # [N, V] fp32 target logits LM(F_{t+1}), -inf alike (the soft labels' support)
     rows: torch.Tensor  # [N] flat positions b*T + t of the kept positions, ascending
-    predict: torch.Tensor  # [B, T, H]
-    regress: torch.Tensor  # [B, T, H]
+    predict: torch.Tensor  # [N, H]
+    regress: torch.Tensor  # [N, H]
     mask: torch.Tensor  # [B, T] 0/1: positions on a branch the draft tree contains (pass 1: the data mask)
     hit1: torch.Tensor  # [B, T] 0/1: the true next token is the draft's top-1 (0 outside the mask)
     hitk: torch.Tensor  # [B, T] 0/1: ... is among its top report_k (0 outside the mask)
@@ -152,6 +152,37 @@ class PassOutput(NamedTuple):
 def scatter_rows(values: torch.Tensor, rows: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """values [N] at flat ``rows`` -> a [B, T] tensor of ``shape``, 0 elsewhere."""
     return torch.zeros(shape.numel(), dtype=values.dtype, device=values.device).index_copy_(0, rows, values).view(shape)
+
+
+class QueryLayout(NamedTuple):
+    """The kept positions of a pass, conversation by conversation: slot j of conversation b is position
+    ``index[b, j]``; ``used`` marks real slots (a conversation with fewer kept positions is padded with position 0)."""
+
+    index: torch.Tensor  # [B, Tq] positions
+    used: torch.Tensor  # [B, Tq] bool; ``x[used]`` lists the slots in ``rows`` order
+
+    @classmethod
+    def of(cls, rows: torch.Tensor, b: int, t: int) -> QueryLayout:
+        conv = rows // t
+        counts = torch.bincount(conv, minlength=b)
+        slot = torch.arange(len(rows), device=rows.device) - (counts.cumsum(0) - counts)[conv]
+        width = max(int(counts.max()) if len(rows) else 0, 1)
+        index = torch.zeros(b, width, dtype=torch.long, device=rows.device)
+        used = torch.zeros(b, width, dtype=torch.bool, device=rows.device)
+        index[conv, slot] = rows % t
+        used[conv, slot] = True
+        return cls(index, used)
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, ...] -> [B, Tq, ...] at the slots' positions."""
+        return x.gather(1, self.index.view(*self.index.shape, *[1] * (x.dim() - 2)).expand(-1, -1, *x.shape[2:]))
+
+    def scatter(self, x: torch.Tensor, t: int) -> torch.Tensor:
+        """x [B, n, Tq, D] (keys or values of the slots) -> [B, n, T, D], zeros at the positions without a slot."""
+        b, n, _, d = x.shape
+        out = x.new_zeros(b, t, n, d)
+        out[self.used.nonzero(as_tuple=True)[0], self.index[self.used]] = x.transpose(1, 2)[self.used]
+        return out.transpose(1, 2)
 
 
 class Rollout:
@@ -203,18 +234,29 @@ class Rollout:
         if draft.draft_vocab is not None and draft.config.context_vocab:
             seen = first_seen(batch.tokens, batch.valid, to_local, draft.static_vocab().to(device), vocab.shape[0])
         features = batch.features if features is None else features
+        tokens = batch.tokens.flatten()
         mask = data_mask if masks is None else masks[0]
         keys, values, passes = [], [], []
         for k in range(1, self.steps + 1):
-            h = draft.fuse(batch.tokens, features)
-            past = (torch.cat(keys, dim=2), torch.cat(values, dim=2)) if keys else None
-            # pass 1 is causal attention (padding is on the right, after every real query): no mask needed
-            attend = version_mixed_mask(k, batch.valid) if k > 1 else None
-            out = draft.forward_fused(h, position_ids, attend, past_kv=past)
-            keys.append(out.key)
-            values.append(out.value)
             rows = mask.flatten().nonzero().squeeze(1)  # [N]
-            predict = out.predict.flatten(0, 1)[rows]
+            slots = QueryLayout.of(rows, b, t)
+            if k == 1:  # every position's key (version 0) and attention; the MLP at the kept positions
+                # causal attention without a mask: padding is on the right, after every real query
+                out = draft.forward_fused(draft.fuse(batch.tokens, features), position_ids, queries=slots.index)
+                keys.append(out.key)
+                values.append(out.value)
+            else:  # the kept positions only: a kept position's chain was kept at every earlier pass
+                inputs = features.new_zeros(*slots.index.shape, features.shape[-1])  # [B, Tq, H]
+                inputs[slots.used] = features.flatten(0, 1)[rows - 1]  # the previous pass's regress at t-1
+                h = draft.fuse(slots.take(batch.tokens), inputs)
+                own = torch.eye(slots.index.shape[1], dtype=torch.bool, device=device)  # version k-1: itself only
+                earlier = slots.take(version_mixed_mask(k, batch.valid)[:, 0])[..., : (k - 1) * t]  # [B, Tq, (k-1)T]
+                attend = torch.cat((earlier, own.expand(b, -1, -1)), dim=-1)[:, None]
+                out = draft.forward_fused(h, slots.index, attend, past_kv=(torch.cat(keys, 2), torch.cat(values, 2)))
+                if k < self.steps:
+                    keys.append(slots.scatter(out.key, t))
+                    values.append(slots.scatter(out.value, t))
+            predict, regress = out.predict[slots.used], out.regress[slots.used]  # [N, H] in rows order
             logits = draft.logits_transform(F.linear(predict, weight.to(predict.dtype))).float()  # [N, V]
             labels = target_logits if len(rows) == len(data_rows) else target_logits[label_row[rows]]
             gt_k = gt[rows]
@@ -229,14 +271,12 @@ class Rollout:
                 ranked = logits.topk(min(self.report_k, logits.shape[-1]), dim=-1).indices  # [N, k]
                 hit1 = scatter_rows((ranked[:, 0] == gt_k).float(), rows, mask.shape)
                 hitk = scatter_rows((ranked == gt_k[:, None]).any(-1).float(), rows, mask.shape)
-            passes.append(PassOutput(logits, labels, rows, out.predict, out.regress, mask, hit1, hitk))
+            passes.append(PassOutput(logits, labels, rows, predict, regress, mask, hit1, hitk))
             if k < self.steps:
                 aligned = hitk if self.topk else torch.ones_like(hitk)  # topk 0: no token mask (HASS)
                 mask = next_masks(mask, aligned, data_mask) if masks is None else masks[k]
-                shifted = torch.zeros_like(out.regress)
-                shifted[:, 1:] = out.regress[:, :-1].detach()
-                shifted[:, 0] = features[:, 0]
-                features = shifted
+                features = regress.detach().new_zeros(b, t, regress.shape[-1])
+                features.view(-1, regress.shape[-1])[rows] = regress.detach()  # [B, T, H], zeros where not kept
         return passes
 
 
@@ -252,7 +292,7 @@ class HeadLoss:
         ``out.rows``, if given)."""
         mask = torch.ones(len(out.rows), device=out.rows.device) if keep is None else keep.float()  # [N]
         token = self.token_loss(out.target_logits, out.logits, mask)
-        regress = F.smooth_l1_loss(out.regress.flatten(0, 1)[out.rows].float(), regress_targets.flatten(0, 1)[out.rows],
+        regress = F.smooth_l1_loss(out.regress.float(), regress_targets.flatten(0, 1)[out.rows],
                                    reduction="none").mean(-1)
         loss = self.w_regress * regress + self.w_token * token
         return (loss * mask).sum(), mask.sum()
