@@ -10,7 +10,8 @@ target features. The loss of pass ``k+1`` keeps position ``t`` only if pass ``k`
 was in pass ``k``'s top-``topk`` there (the alignment mask): the position is then on a branch the draft tree contains.
 
 :class:`Rollout` runs the passes and returns, per pass, the draft's logits and features, the kept positions and the
-target's soft labels (:class:`PassOutput`); :class:`HeadLoss` scores one pass with a token objective of
+target's soft labels (:class:`PassOutput`), computed at the kept positions only (pass 1 still attends over every
+position: each is a key of the later passes); :class:`HeadLoss` scores one pass with a token objective of
 ``training.losses`` plus the feature regression; :class:`AdaSpecSelector` narrows the positions a loss trains on.
 :class:`MultiPassObjective` composes them, so a new objective is a new loss or selector, not a new trainer.
 

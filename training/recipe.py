@@ -82,7 +82,6 @@ from pathlib import Path
 
 from griffin.constants import EMBEDDED_TARGET
 from griffin.io import atomic_write_json, atomic_write_text
-from griffin.target import file_lock
 
 from .cli import run_cli
 from .data import DEFAULT_DATA, iter_records
@@ -628,6 +627,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work)
     if args.plan:
         return run(args, work)
+    from griffin.target import file_lock  # imports torch: not before --help
+
     with ExitStack() as stack:
         try:
             stack.enter_context(file_lock(work / LOCK, wait=False))
