@@ -235,7 +235,6 @@ class Rollout:
         if draft.draft_vocab is not None and draft.config.context_vocab:
             seen = first_seen(batch.tokens, batch.valid, to_local, draft.static_vocab().to(device), vocab.shape[0])
         features = batch.features if features is None else features
-        tokens = batch.tokens.flatten()
         mask = data_mask if masks is None else masks[0]
         keys, values, passes = [], [], []
         for k in range(1, self.steps + 1):
@@ -301,7 +300,8 @@ class HeadLoss:
 
 class AdaSpecSelector:
     """AdaSPEC: per pass, keep the ``frac`` of kept positions where the draft's per-token FKL exceeds a frozen
-    reference head's the most (``Δ = L_draft − L_ref``); the reference runs its own rollout on the same inputs and positions."""
+    reference head's the most (``Δ = L_draft − L_ref``); the reference runs its own rollout on the same inputs and
+    positions."""
 
     def __init__(self, reference: DraftModel, steps: int, frac: float):
         if not 0 < frac <= 1:
