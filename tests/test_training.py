@@ -355,13 +355,18 @@ def test_rollout_equals_an_explicit_draft_chain_per_position(arch):
 # --- distillation objectives and AdaSPEC -------------------------------------------------------------------------
 
 
-def test_adaspec_trains_on_the_top_fraction_of_aligned_positions_by_delta():
+def draft_reference_and_batch():
+    """Two differently initialised GRIFFIN heads of one tiny target, and a batch of 4 conversations."""
     target = tiny_model(vocab_size=60, hidden=32)
     torch.manual_seed(0)
     draft = DraftModel(DraftConfig.from_target(target.config, arch="griffin")).attach(target)
     torch.manual_seed(1)
     reference = DraftModel(DraftConfig.from_target(target.config, arch="griffin")).attach(target)
-    batch = make_batch(synthetic_items(target, 4, 14))
+    return draft, reference, make_batch(synthetic_items(target, 4, 14))
+
+
+def test_adaspec_trains_on_the_top_fraction_of_aligned_positions_by_delta():
+    draft, reference, batch = draft_reference_and_batch()
     objective = MultiPassObjective(draft, steps=2, topk=0, noise=0, token_loss=make_token_loss("fkl"),
                                    reference=reference, select_frac=0.4)
     out = objective(batch)
@@ -381,12 +386,7 @@ def test_adaspec_trains_on_the_top_fraction_of_aligned_positions_by_delta():
 
 
 def test_a_reference_rollout_scores_the_drafts_positions():
-    target = tiny_model(vocab_size=60, hidden=32)
-    torch.manual_seed(0)
-    draft = DraftModel(DraftConfig.from_target(target.config, arch="griffin")).attach(target)
-    torch.manual_seed(1)
-    reference = DraftModel(DraftConfig.from_target(target.config, arch="griffin")).attach(target)
-    batch = make_batch(synthetic_items(target, 4, 14))
+    draft, reference, batch = draft_reference_and_batch()
     passes = Rollout(draft, 3, topk=2, noise=0)(batch)
     own = Rollout(reference, 3, topk=0, noise=0)(batch)  # no token mask: a superset of the draft's positions
     forced = Rollout(reference, 3, topk=0, noise=0)(batch, masks=[out.mask for out in passes])

@@ -9,6 +9,7 @@ Run it once per checkout in a fresh process (the checkout goes first on sys.path
 """
 
 import sys
+import tempfile
 import time
 
 checkout = sys.argv[4]
@@ -23,8 +24,8 @@ from training.store import FeatureStore  # noqa: E402
 
 torch.set_num_threads(1)
 features, head, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-args = T.parse_args(["--features", features, "--out", "/tmp/ab-out", "--arch", "griffin", "--steps", str(steps),
-                     "--topk", "3", "--lr", "6e-4", "--batch-size", "4", "--draft-vocab", "8192",
+args = T.parse_args(["--features", features, "--out", tempfile.mkdtemp(prefix="ab-"), "--arch", "griffin",
+                     "--steps", str(steps), "--topk", "3", "--lr", "6e-4", "--batch-size", "4", "--draft-vocab", "8192",
                      "--mixed-precision", "bf16", "--init-from", head])
 store = FeatureStore(features)
 acc = Accelerator(cpu=True, step_scheduler_with_optimizer=False, mixed_precision="bf16")
