@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import signal
+import threading
 import time
 
 import pytest
@@ -53,8 +54,14 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     calls = []
     training = {"now": 0, "most": 0}  # training steps running at once
 
+    beside = threading.Event()  # chunk 2's features are being built (in the second process)
+
     def in_process(module: str, *argv: str) -> None:  # the recipe's steps, without a process each
         calls.append((module, argv))
+        if module == "training.build_features" and "1:2" in argv:
+            beside.set()
+        if module == "training.regenerate" and "0:1" in argv and jobs > 1:  # chunk 1, the fresh machine's first
+            assert beside.wait(30), "chunk 2's data was not built beside chunk 1's"
         if module == "training.train":
             training["now"] += 1
             training["most"] = max(training["most"], training["now"])
@@ -103,8 +110,8 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
         assert recipe.main(argv + ["--jobs", str(jobs)]) == 0
     ahead = [r.getMessage() for r in caplog.records if "second process" in r.getMessage()]
     if jobs > 1:  # chunk 0 was trained before: chunks 2 and 3 are built ahead, and heads train side by side
-        assert ahead == [f"building chunk {c + 1}'s data in a second process while the heads train on chunk {c}"
-                         for c in (1, 2)]
+        assert ahead == [f"building chunk {c + 1}'s data in a second process while chunk {c} is built and trained "
+                         "on" for c in (1, 2)]
         assert training["most"] > 1
     else:
         assert not ahead and training["most"] == 1

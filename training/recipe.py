@@ -679,6 +679,12 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
     if not todo:
         return last_commit
     timing = chunk_timing(state, cfg, chunk)
+    following = next_chunk(args, cfg, state, chunk, todo, stop) if args.jobs > 1 else None
+    if following is not None:  # submitted first: on a fresh machine it is built beside this chunk's data
+        seconds = {}  # filled by the thread, added to the chunk's row of timings when the chunk starts
+        ahead[following] = (pool.submit(build_chunk, args, cfg, following, seconds), seconds)
+        log.info("building chunk %d's data in a second process while chunk %d is built and trained on", following,
+                 chunk)
     if chunk in ahead:
         store = ahead[chunk][0].result()
         collect_ahead(state, cfg, ahead)  # its seconds, if not added yet
@@ -689,11 +695,6 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
     fixed_stores = fixed_val_stores(args, cfg, chunk)
     backfill_fixed_val(args, state, fixed_stores)
     save_state(path, cfg, state)
-    following = next_chunk(args, cfg, state, chunk, todo, stop) if args.jobs > 1 else None
-    if following is not None:
-        seconds = {}  # filled by the thread, added to the chunk's row of timings when the chunk starts
-        ahead[following] = (pool.submit(build_chunk, args, cfg, following, seconds), seconds)
-        log.info("building chunk %d's data in a second process while the heads train on chunk %d", following, chunk)
     steps = {h.name: pool.submit(train_and_score, args, cfg, state, h, chunk, store, fixed_stores) for h in todo} \
         if args.jobs > 1 else {}
     for head in todo:
