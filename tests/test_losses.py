@@ -111,13 +111,15 @@ def closed_torch(name: str, p: torch.Tensor, q: torch.Tensor, beta: float = 0.3)
         return (p * (p.log() - q.log())).sum(-1)
     if name == "rkl":
         return (q * (q.log() - p.log())).sum(-1)
+    if name == "soft-ce":
+        return -(p * q.log()).sum(-1)
     if name == "jsd":
         m = beta * p + (1 - beta) * q
         return beta * (p * (p / m).log()).sum(-1) + (1 - beta) * (q * (q / m).log()).sum(-1)
     return 0.5 * (p - q).abs().sum(-1)
 
 
-@pytest.mark.parametrize("name", ["fkl", "rkl", "jsd", "tvd"])
+@pytest.mark.parametrize("name", ["soft-ce", "fkl", "rkl", "jsd", "tvd"])
 def test_gradients_match_autograd_of_the_closed_form(name):
     torch.manual_seed(1)
     n, v = 6, 9

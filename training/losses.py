@@ -16,7 +16,7 @@ Objectives (DESIGN §7; p, q at the same temperature):
 - ``tvdpp``    TVD++: ``−Σ_v q(v)·sg((r(v) − μ)/σ)`` with reward ``r(v) = 1[p(v) > q(v)]``, ``μ, σ`` the mean and
   standard deviation of ``r`` over the masked positions × their vocabulary (tokens with a finite target or draft logit)
 
-Everything is computed in fp32 from log-softmax, so a logit gap too large for ``exp`` stays exact. Logits of ``-inf``
+Everything is computed in fp32 from log-softmax (soft-CE from the log-sum-exp), so a logit gap too large for ``exp`` stays exact. Logits of ``-inf``
 (a reduced draft vocabulary, a context-vocabulary mask) give exact zeros, and every ``0·log 0`` term counts as 0: no
 NaN, no inf, and no gradient through them. A divergence is infinite only where it truly is: FKL / soft-CE where
 ``p > 0 = q``, RKL where ``q > 0 = p``; the trainers mask both distributions with the same vocabulary.
@@ -60,9 +60,26 @@ def kl(log_a: Tensor, log_b: Tensor) -> Tensor:
     return (a * diff).sum(-1)
 
 
-def soft_ce(p: Tensor, log_q: Tensor) -> Tensor:
-    """``-Σ p log q`` from probabilities p (soft labels) and log-probabilities q."""
-    return -(p * torch.where(p > 0, log_q, 0.0)).sum(-1)
+class SoftCrossEntropy(torch.autograd.Function):
+    """``-Σ p log softmax(x)`` per row: logits x [N, V] fp32 (``-inf`` where p = 0 is fine), probabilities p [N, V]
+    -> [N], as ``lse(x)·Σp − Σ p·x`` (``nansum`` drops the ``0·(−inf)`` terms and keeps ``p·(−inf)``: infinite
+    where p > 0 = q). The forward keeps the unnormalised softmax it computes anyway, and the backward is
+    ``g·(softmax(x)·Σp − p)`` from it without another ``exp``: the composed form (log-softmax, mask, product, sum and
+    their backward) spends about a third more time in these [N, V] passes, a large share of a head's update on a CPU."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, p: Tensor) -> Tensor:
+        top = x.amax(-1, keepdim=True)  # [N, 1]
+        e = (x - top).exp_()  # [N, V] softmax(x) · s
+        s = e.sum(-1, keepdim=True)
+        mass = p.sum(-1)
+        ctx.save_for_backward(e, s, p, mass)
+        return (top + s.log())[:, 0] * mass - torch.nansum(p * x, -1)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor, None]:
+        e, s, p, mass = ctx.saved_tensors
+        return (e * (g * mass)[:, None].div(s)).addcmul_(p, g[:, None], value=-1.0), None
 
 
 def fkl(log_p: Tensor, log_q: Tensor) -> Tensor:
@@ -108,9 +125,12 @@ class TokenLoss:
         keep = mask.bool()
         with torch.no_grad():
             target = scaled(target_logits.detach(), keep, self.temperature)
+        if self.name == "soft-ce":  # softmax, not exp(log_softmax), for p: the heads' historical labels
+            draft = scaled(draft_logits, keep, self.temperature)  # [..., V]
+            p = F.softmax(target, dim=-1)
+            loss = SoftCrossEntropy.apply(draft.reshape(-1, draft.shape[-1]), p.reshape(-1, p.shape[-1]))
+            return torch.where(keep, loss.view(keep.shape), 0.0)
         log_q = log_probs(draft_logits, keep, self.temperature)
-        if self.name == "soft-ce":  # softmax, not exp(log_softmax): the heads' historical loss to the last bit
-            return torch.where(keep, soft_ce(F.softmax(target, dim=-1), log_q), 0.0)
         log_p = F.log_softmax(target, dim=-1)
         if self.name == "tvdpp":
             finite = torch.isfinite(target_logits) | torch.isfinite(draft_logits)
