@@ -16,10 +16,11 @@ Objectives (DESIGN §7; p, q at the same temperature):
 - ``tvdpp``    TVD++: ``−Σ_v q(v)·sg((r(v) − μ)/σ)`` with reward ``r(v) = 1[p(v) > q(v)]``, ``μ, σ`` the mean and
   standard deviation of ``r`` over the masked positions × their vocabulary (tokens with a finite target or draft logit)
 
-Everything is computed in fp32 from log-softmax (soft-CE from the log-sum-exp), so a logit gap too large for ``exp`` stays exact. Logits of ``-inf``
-(a reduced draft vocabulary, a context-vocabulary mask) give exact zeros, and every ``0·log 0`` term counts as 0: no
-NaN, no inf, and no gradient through them. A divergence is infinite only where it truly is: FKL / soft-CE where
-``p > 0 = q``, RKL where ``q > 0 = p``; the trainers mask both distributions with the same vocabulary.
+Everything is computed in fp32 from log-softmax (soft-CE from the log-sum-exp), so a logit gap too large for ``exp``
+stays exact. Logits of ``-inf`` (a reduced draft vocabulary, a context-vocabulary mask) give exact zeros, and every
+``0·log 0`` term counts as 0: no NaN, no inf, and no gradient through them. A divergence is infinite only where it truly
+is: FKL / soft-CE where ``p > 0 = q``, RKL where ``q > 0 = p``; the trainers mask both distributions with the same
+vocabulary.
 
 AdaSPEC token selection: :func:`per_token_fkl` scores the draft and a frozen reference; :func:`adaspec_select` keeps
 the positions where the draft lags the reference most (``Δ = L_draft − L_ref``).
