@@ -136,6 +136,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="compute dtype of every step (regeneration, features, and autocast in training and scoring); "
+                        "auto: bf16 on a GPU or a CPU with bf16 instructions (AVX512-BF16 or AMX), else fp32, since "
+                        "emulated bf16 is several times slower (pipeline-throughput.md)")
     p.add_argument("--chunks", type=int, default=None, help="stop after this many chunks (default: all)")
     p.add_argument("--heads", default=None,
                    help="comma-separated heads to train now (default: all); the others catch up on a later run")
@@ -263,6 +267,22 @@ def chunk_source(cfg: dict, chunk: int) -> tuple[str, range]:
     return ("sharegpt", "regen")[kind], range(first, min(first + cfg["chunk_shards"], cfg["shards"]))
 
 
+def resolve_precision(precision: str) -> str:
+    """``--precision`` -> "bf16" or "fp32". auto is bf16 only where the hardware computes it: on an AVX2-only EPYC a
+    bf16 forward of the target ran at 39 tokens/s against 297 in fp32, while with AVX512-BF16 bf16 is the faster."""
+    import torch
+
+    if precision != "auto":
+        return precision
+    native = torch.cuda.is_available() or torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return "bf16" if native else "fp32"
+
+
+def autocast(args) -> str:
+    """training's and evaluate's --mixed-precision for the recipe's dtype."""
+    return "bf16" if args.dtype == "bf16" else "no"
+
+
 def run_folder(args, head: str, chunk: int) -> Path:
     """Where ``head``'s training on ``chunk`` runs (on this machine only)."""
     return Path(args.work) / "runs" / head / f"chunk-{chunk:03d}"
@@ -280,7 +300,7 @@ def regenerated(args, cfg: dict, chunk: int, shards: range) -> Path:
         out = Path(args.work) / "regen"
         python("training.regenerate", "--target", cfg["target"], "--data", cfg["data"], "--out", str(out),
                "--parts", f"{shards.start}:{shards.start + parts}", "--part-size", str(cfg["shard_records"]),
-               "--dtype", "bf16", "--batch-size", str(args.regen_batch), "--max-new-tokens",
+               "--dtype", args.dtype, "--batch-size", str(args.regen_batch), "--max-new-tokens",
                str(cfg["regen_new_tokens"]))
         text = "".join((out / f"part-{i:05d}.jsonl").read_text() for i in range(shards.start, shards.start + parts))
         atomic_write_text(merged, text)
@@ -291,7 +311,7 @@ def build_chunk(args, cfg: dict, chunk: int, timing: dict) -> Path:
     """-> the chunk's feature store (built here unless it exists); adds the seconds of each step to ``timing``
     (a chunk's row of ``recipe.json``'s timings, kept across runs, so that a step resumed by a later run adds to it)."""
     kind, shards = chunk_source(cfg, chunk)
-    common = ["--target", cfg["target"], "--max-len", str(cfg["max_len"]), "--dtype", "bf16"]
+    common = ["--target", cfg["target"], "--max-len", str(cfg["max_len"]), "--dtype", args.dtype]
     t0 = time.time()
     if kind == "regen":
         store = Path(args.work) / "regen-features" / f"chunk-{chunk:03d}"
@@ -385,18 +405,18 @@ def fixed_val_stores(args, cfg: dict, upto: int) -> dict[str, Path]:
         stores[kind] = Path(args.work) / f"fixed-val-{kind}"
         if not (stores[kind] / MANIFEST).is_file():
             python("training.build_features", "--data", str(records), "--out", str(stores[kind]), "--target",
-                   cfg["target"], "--max-len", str(cfg["max_len"]), "--dtype", "bf16")
+                   cfg["target"], "--max-len", str(cfg["max_len"]), "--dtype", args.dtype)
     return stores
 
 
-def fixed_val(run: Path, head: Head, steps: int, stores: dict[str, Path]) -> dict[str, list[dict]]:
+def fixed_val(args, run: Path, head: Head, steps: int, stores: dict[str, Path]) -> dict[str, list[dict]]:
     """Per fixed set, per pass top-1 and kept of the head in ``run`` (scored once, kept in the run folder)."""
     scores = {}
     for kind, store in stores.items():
         report = run / f"fixed-val-{kind}.json"
         if not report.is_file():
             python("training.evaluate", str(run), "--features", str(store), "--steps", str(steps), "--topk",
-                   str(head.topk), "--mixed-precision", "bf16", "--out", str(report))
+                   str(head.topk), "--mixed-precision", autocast(args), "--out", str(report))
         scores[kind] = [{k: p[k] for k in ("pass", "top1", "kept")} for p in json.loads(report.read_text())["passes"]]
     return scores
 
@@ -424,7 +444,8 @@ def backfill_fixed_val(args, state: dict, stores: dict[str, Path]) -> None:
         run = run_folder(args, point["head"], point["chunk"])
         missing = {kind: store for kind, store in stores.items() if kind not in point.get("fixed", {})}
         if missing and (run / "model.safetensors").is_file():
-            point["fixed"] = point.get("fixed", {}) | fixed_val(run, heads[point["head"]], point["steps"], missing)
+            scores = fixed_val(args, run, heads[point["head"]], point["steps"], missing)
+            point["fixed"] = point.get("fixed", {}) | scores
 
 
 # --- training and export --------------------------------------------------------------------------------------------
@@ -446,7 +467,7 @@ def train(args, cfg: dict, state: dict, head: Head, chunk: int, store: Path) -> 
     lr = LR[stage] * LR_DECAY ** index * (REGEN_LR if chunk_source(cfg, chunk)[0] == "regen" else 1)
     argv = ["--features", str(store), "--out", str(run), "--arch", head.arch, "--steps", str(head.steps[stage - 1]),
             "--topk", str(head.topk), "--lr", f"{lr:.3g}", "--epochs", "1", "--batch-size", str(cfg["batch_size"]),
-            "--draft-vocab", str(cfg["draft_vocab"]), "--mixed-precision", "bf16", "--save-every", "50"]
+            "--draft-vocab", str(cfg["draft_vocab"]), "--mixed-precision", autocast(args), "--save-every", "50"]
     if init is not None:
         argv += ["--init-from", str(init)]
     if (run / "train_state").is_dir():
@@ -460,7 +481,7 @@ def train_and_score(args, cfg: dict, state: dict, head: Head, chunk: int, store:
     """-> (the run of ``head`` on ``chunk``, its scores on the fixed sets): the part of a chunk that needs no
     bookkeeping, so that heads can do it side by side."""
     run = train(args, cfg, state, head, chunk, store)
-    return run, fixed_val(run, head, head.steps[stage_of(cfg, chunk) - 1], fixed_stores)
+    return run, fixed_val(args, run, head, head.steps[stage_of(cfg, chunk) - 1], fixed_stores)
 
 
 def head_folder(args, name: str) -> Path:
@@ -533,9 +554,10 @@ def progress_markdown(cfg: dict, state: dict) -> str:
                                for k in kinds),
                              " / ".join(figure(p["top1"], 3) for p in r["passes"]),
                              " / ".join(figure(p["kept"], 2) for p in r["passes"])] for r in state["curve"]])
-    times = markdown_table(["chunk", "data", "stage", "tokens", "regenerate s", "features s",
+    times = markdown_table(["chunk", "data", "stage", "tokens", "precision", "regenerate s", "features s",
                             "training s per head (updates)"],
                            [[t["chunk"], t["kind"], t["stage"], f"{t['tokens']:,}" if "tokens" in t else "-",
+                             t.get("precision", "bf16"),  # rows from before --precision: always bf16
                              t.get("regenerate_s", "-"),
                              t.get("features_s", "-"), ", ".join(f"{k} {v}" for k, v in t["train_s"].items())]
                             for t in state["timings"]])
@@ -641,6 +663,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, work: Path) -> int:
     STOPPING.clear()  # a run in this process after a stopped one
+    args.dtype = resolve_precision(args.precision)
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)  # for every step's process
     work.mkdir(parents=True, exist_ok=True)
     cfg = settings(args, count_records(work, args.data))
@@ -649,6 +672,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
     print(plan_text(cfg, state))
     if args.plan:
         return 0
+    log.info("precision of every step: %s (--precision %s)", args.dtype, args.precision)
     backfill_fixed_val(args, state, fixed_val_stores(args, cfg, max((p["chunk"] for p in state["curve"]), default=-1)))
     for point in state["curve"]:  # training seconds from the runs' reports where they are on this machine
         run = run_folder(args, point["head"], point["chunk"])
@@ -679,6 +703,7 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
     if not todo:
         return last_commit
     timing = chunk_timing(state, cfg, chunk)
+    timing["precision"] = args.dtype
     following = next_chunk(args, cfg, state, chunk, todo, stop) if args.jobs > 1 else None
     if following is not None:  # submitted first: on a fresh machine it is built beside this chunk's data
         seconds = {}  # filled by the thread, added to the chunk's row of timings when the chunk starts
