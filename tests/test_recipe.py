@@ -155,6 +155,11 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     assert [sorted(p["fixed"]) for p in state["curve"]] == [["sharegpt"]] * 2 + [["regen", "sharegpt"]] * 9
     assert all(len(passes) == p["steps"] for p in state["curve"] for passes in p["fixed"].values())
     assert "fixed regen: top-1 per pass" in (ckpt / "README.md").read_text()
+    dtype = recipe.resolve_precision("auto")  # every step computes in the one precision of the run
+    assert {a[a.index("--dtype") + 1] for m, a in calls if "--dtype" in a} == {dtype}
+    assert {a[a.index("--mixed-precision") + 1] for m, a in calls if "--mixed-precision" in a} == {
+        "bf16" if dtype == "bf16" else "no"}
+    assert {t["precision"] for t in state["timings"][1:]} == {dtype}
 
     calls.clear()
     assert recipe.main(argv) == 0 and calls == []  # all done: nothing runs
@@ -226,6 +231,18 @@ def test_kill_stops_the_steps_and_a_second_recipe_on_the_same_work_is_refused(tm
     assert time.time() - t0 < 30 and not recipe.RUNNING  # the step's process was ended, not waited for
     code, err = second["run"]
     assert code == 2 and "another recipe is running with --work" in err
+
+
+@pytest.mark.parametrize("cuda, avx512_bf16, amx, expected", [(False, False, False, "fp32"),
+                                                               (False, True, False, "bf16"),
+                                                               (False, False, True, "bf16"),
+                                                               (True, False, False, "bf16")])
+def test_auto_precision_is_bf16_only_where_the_hardware_computes_it(monkeypatch, cuda, avx512_bf16, amx, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert recipe.resolve_precision("auto") == expected
+    assert [recipe.resolve_precision(p) for p in ("bf16", "fp32")] == ["bf16", "fp32"]
 
 
 def test_the_next_chunk_is_built_ahead_only_for_a_head_that_will_train_on_it():
