@@ -155,8 +155,12 @@ def baseline(rows: list[dict], threads: int) -> float:
 
 
 def machine_text(machine: dict) -> str:
+    """The shared machine line (CPU with its vector extensions: bf16 is emulated without AVX512-BF16 or AMX) and the
+    load average when the section finished."""
+    from inference.report import machine_text as shared
+
     load = f", load average {machine['load_average_1m']}" if "load_average_1m" in machine else ""
-    return f"machine {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, {machine['date']}{load}."
+    return f"machine {shared(machine)}{load}."
 
 
 def main(argv: list[str] | None = None) -> int:
