@@ -54,11 +54,11 @@ those chunks and committed as records (``fixed-val-*.jsonl``) beside the heads, 
 features in a minute. No head trains on these conversations (a first turn of one may reach training with the other
 kind of answer). Each chunk's own held-out 5 % is reported too, but changes with the data.
 
-**Time here** (2 CPU cores shared with other work, one thread): the rates of each step are in
-``benchmarks/results/pipeline-throughput.md``; the seconds each chunk's steps took are in ``recipe.json``
-(``timings``) and its ``README.md``, written as the run goes. With ``--jobs`` 2 or more, steps overlap (the next
-chunk's data beside this chunk's training, heads beside each other): each step's seconds are still its own wall time,
-so a chunk's row no longer adds up to the time it took.
+**Time here** (2 CPU cores shared with other work, one thread; every step in bf16 where the CPU has bf16 instructions,
+else in fp32, ``--precision``): the rates of each step are in ``benchmarks/results/pipeline-throughput*.md``; the
+seconds each chunk's steps took are in ``recipe.json`` (``timings``) and its ``README.md``, written as the run goes.
+With ``--jobs`` 2 or more, steps overlap (the next chunk's data beside this chunk's training, heads beside each other):
+each step's seconds are still its own wall time, so a chunk's row no longer adds up to the time it took.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
                    help="compute dtype of every step (regeneration, features, and autocast in training and scoring); "
                         "auto: bf16 on a GPU or a CPU with bf16 instructions (AVX512-BF16 or AMX), else fp32, since "
-                        "emulated bf16 is several times slower (pipeline-throughput.md)")
+                        "emulated bf16 is 6-16x slower (benchmarks/results/pipeline-throughput-avx2)")
     p.add_argument("--chunks", type=int, default=None, help="stop after this many chunks (default: all)")
     p.add_argument("--heads", default=None,
                    help="comma-separated heads to train now (default: all); the others catch up on a later run")
@@ -268,8 +268,9 @@ def chunk_source(cfg: dict, chunk: int) -> tuple[str, range]:
 
 
 def resolve_precision(precision: str) -> str:
-    """``--precision`` -> "bf16" or "fp32". auto is bf16 only where the hardware computes it: on an AVX2-only EPYC a
-    bf16 forward of the target ran at 39 tokens/s against 297 in fp32, while with AVX512-BF16 bf16 is the faster."""
+    """``--precision`` -> "bf16" or "fp32". auto is bf16 only where the hardware computes it: on an AVX2-only EPYC
+    bf16 built features at 25 tokens/s against 156 in fp32 (``pipeline-throughput-avx2``), while with AVX512-BF16
+    bf16 was 1.6x faster (``pipeline-throughput``)."""
     import torch
 
     if precision != "auto":
