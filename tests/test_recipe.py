@@ -167,6 +167,80 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     assert code == 2 and "other settings" in err
 
 
+def test_committed_answers_spare_a_fresh_machine_their_regeneration_and_go_once_every_head_trained(
+        tmp_path, tiny_target_dir, monkeypatch):
+    calls = []
+
+    def in_process(module: str, *argv: str) -> None:
+        calls.append(module)
+        assert importlib.import_module(module).main(list(argv)) == 0
+
+    monkeypatch.setattr(recipe, "python", in_process)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in conversations(8, words=10)))
+    ckpt = tmp_path / "ckpt"
+    args = ["--target", str(tiny_target_dir), "--data", str(data), "--checkpoints", str(ckpt), "--shard-records",
+            "4", "--chunk-shards", "2", "--regen-new-tokens", "4", "--max-len", "128", "--draft-vocab", "512",
+            "--batch-size", "2", "--stage-chunks", "1,0.01,0.01", "--work", str(tmp_path / "work"), "--sharegpt-store",
+            str(tmp_path / "sharegpt")]
+    # one group of 8 records, all stage 1: chunk 0 its ShareGPT, chunk 1 the answers to its first 4 (3 rounded up)
+    assert recipe.main(args + ["--regen-records", "3", "--heads", "griffin-s1"]) == 0
+    state = json.loads((ckpt / "recipe.json").read_text())
+    assert state["settings"]["regen_records"] == 4 and state["heads"]["griffin-s1"]["chunks"] == [0, 1]
+    answers = ckpt / recipe.ANSWERS / "chunk-001.jsonl"
+    assert len(answers.read_text().splitlines()) == 4  # kept: eagle-s1 has yet to train on chunk 1
+    assert [t.get("regen_records") for t in state["timings"]] == [None, 4]
+    assert "| 1 | regen | 1 | 4 |" in (ckpt / "README.md").read_text()  # its conversations: the 4 answers
+
+    shutil.rmtree(tmp_path / "work")  # a fresh machine, and a run that answers more first turns per group
+    shutil.rmtree(tmp_path / "sharegpt")
+    calls.clear()
+    assert recipe.main(args + ["--regen-records", "8", "--heads", "eagle-s1"]) == 0
+    assert "training.regenerate" not in calls  # the committed answers were used
+    state = json.loads((ckpt / "recipe.json").read_text())
+    assert state["heads"]["eagle-s1"]["chunks"] == [0, 1] and state["settings"]["regen_records"] == 8
+    assert state["timings"][1]["regen_records"] == 4  # chunk 1 ends as it began
+    assert not answers.exists()  # every head of the stage has trained on chunk 1
+    code, err = run_main("training.recipe", *args, "--regen-records", "0")
+    assert code == 2 and "with regenerated answers" in err and "--regen-records above 0" in err
+
+
+def test_a_recipe_commit_amends_the_runs_own_previous_one(tmp_path, monkeypatch):
+    import subprocess
+    from argparse import Namespace
+
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], check=True, capture_output=True, text=True).stdout
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CONFIG_COUNT", "2")  # an identity for the commits, whatever this machine's config
+    monkeypatch.setenv("GIT_CONFIG_KEY_0", "user.name")
+    monkeypatch.setenv("GIT_CONFIG_VALUE_0", "t")
+    monkeypatch.setenv("GIT_CONFIG_KEY_1", "user.email")
+    monkeypatch.setenv("GIT_CONFIG_VALUE_1", "t@t")
+    git("init", "-q", "-b", "main")
+    (tmp_path / "README.md").write_text("x")
+    git("add", "README.md")
+    git("commit", "-q", "-m", "recipe: a landed commit of main")
+    git("checkout", "-q", "-b", "scale")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    args = Namespace(checkpoints=str(ckpt))
+    for i in range(3):
+        (ckpt / "head.safetensors").write_text(str(i))
+        (ckpt / f"answers-{i}.jsonl").write_text(str(i))
+        if i:
+            (ckpt / f"answers-{i - 1}.jsonl").unlink()
+        recipe.commit(args, f"head after chunk {i}")
+    assert git("log", "--format=%s").splitlines() == ["recipe: head after chunk 2", "recipe: a landed commit of main"]
+    assert sorted(git("show", "--name-only", "--format=", "HEAD").split()) == ["ckpt/answers-2.jsonl",
+                                                                              "ckpt/head.safetensors"]
+    git("branch", "kept")  # another ref holds the run's commit: the next one is new
+    (ckpt / "head.safetensors").write_text("3")
+    recipe.commit(args, "head after chunk 3")
+    assert len(git("log", "--format=%s").splitlines()) == 3
+
+
 def test_a_failing_chunk_ends_the_steps_beside_it_and_starts_no_more(tmp_path, monkeypatch):
     started = tmp_path / "started"
 

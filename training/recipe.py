@@ -40,13 +40,16 @@ per chunk, validation reports) to ``--checkpoints/wip-<head>`` (``checkpoints/sm
 ``recipe.json`` there records the settings, the chunks each head has consumed, the learning curve (validation top-1
 against tokens seen) and the seconds of every step of every chunk; ``README.md`` there shows them as tables. With
 ``--commit`` that folder is committed to the current branch: at the first head a run exports, then at most once per
-``--commit-every`` seconds, and at every stage end. Every such commit adds the heads' whole weights (about 12 MB a
-head) to what a session submits, and the diffs of a session's commits are capped at 256 MiB together (a session whose
-commits went over landed nothing): run ``--commit`` in a work branch (``git worktree add -b scale ...``) and bring it
-into main with ``git merge --squash scale``, so that a session submits each head once however many chunks it trained.
-A rerun on any machine reads ``recipe.json``: each head continues from its committed head (``--init-from``) with the
-next chunk it has not consumed; features are built only for those chunks. Work inside a chunk (regeneration parts,
-feature shards, training state every 50 updates) resumes on the same machine.
+``--commit-every`` seconds, and at every stage end. Every commit holds the heads' whole weights (about 12 MB a head),
+and the diffs of a session's commits are capped at 256 MiB together (a session whose commits went over landed nothing,
+twice): so a commit amends the run's previous one while that is a recipe commit no other ref holds. Run ``--commit`` in
+a work branch (``git worktree add -b scale ...``), bring it into main with ``git merge --squash scale``, then delete
+the branch (or reset it to main), so that a session submits each head once however many chunks it trained. The
+target's answers of a chunk are committed too (``regen-answers/``, about 1.5 MB a chunk) until every head has trained
+on it, so that a fresh machine does not regenerate them. A rerun on any machine reads ``recipe.json``: each head
+continues from its committed head (``--init-from``) with the next chunk it has not consumed; features are built only
+for those chunks. Work inside a chunk (regeneration parts, feature shards, training state every 50 updates) resumes on
+the same machine.
 
 **Learning curve.** Every head is scored after every chunk (``training.evaluate``) on fixed validation sets: chunk 0's
 held-out ShareGPT conversations and chunk 1's held-out answers of the target, taken when the recipe first reaches
@@ -92,7 +95,9 @@ LOCK = ".recipe.lock"  # in --work: one recipe at a time
 LR = {1: 1e-3, 2: 6e-4, 3: 6e-4}  # peak learning rate of the first chunk of each stage
 LR_DECAY = 0.85  # per chunk within a stage
 REGEN_LR = 0.3  # the peak rate of a chunk of the target's answers, relative to LR[stage] * LR_DECAY**i
-SCHEDULE = ("lr", "lr_decay", "regen_lr")  # settings a rerun may change
+SCHEDULE = ("lr", "lr_decay", "regen_lr", "regen_records")  # settings a rerun may change (for the chunks to come)
+COMMIT_PREFIX = "recipe: "  # the subject of the recipe's commits
+ANSWERS = "regen-answers"  # in --checkpoints: the target's answers of the chunks some head has yet to train on
 
 
 @dataclass(frozen=True)
@@ -130,7 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stage-chunks", default="0.5,0.25,0.25",
                    help="fractions of the chunks given to stages 1 (K=1), 2 and 3")
     p.add_argument("--regen-records", type=int, default=512,
-                   help="first turns per chunk answered by the target (0 = none; at most the chunk's records)")
+                   help="first turns per group answered by the target (0 = none; rounded up to whole shards, at most "
+                        "the group's records); a rerun may change it for the groups it has not started")
     p.add_argument("--regen-batch", type=int, default=16, help="prompts per generate call (pipeline-throughput.md)")
     p.add_argument("--regen-new-tokens", type=int, default=320)
     p.add_argument("--max-len", type=int, default=1024)
@@ -194,7 +200,8 @@ def settings(args: argparse.Namespace, records: int) -> dict:
     ends = [round(chunks * sum(args.fractions[: s + 1]) / total) for s in range(3)]
     return {"target": args.target, "data": args.data, "records": records, "shard_records": args.shard_records,
             "shards": shards, "chunk_shards": args.chunk_shards, "chunks": chunks, "stage_ends": ends,
-            "regen_records": min(args.regen_records, args.chunk_shards * args.shard_records),
+            "regen_records": min(math.ceil(args.regen_records / args.shard_records) * args.shard_records,
+                                 args.chunk_shards * args.shard_records),
             "regen_new_tokens": args.regen_new_tokens, "max_len": args.max_len, "draft_vocab": args.draft_vocab,
             "batch_size": args.batch_size, "lr": LR, "lr_decay": LR_DECAY, "regen_lr": REGEN_LR}
 
@@ -219,12 +226,20 @@ def load_state(path: Path, cfg: dict) -> dict:
     if not path.is_file():
         return {"settings": cfg, "heads": {}, "curve": [], "timings": []}
     state = json.loads(path.read_text())
+    if bool(state["settings"]["regen_records"]) != bool(cfg["regen_records"]):
+        raise StoreError(f"{path} was made {'with' if state['settings']['regen_records'] else 'without'} regenerated "
+                         "answers: rerun with --regen-records "
+                         f"{'above' if state['settings']['regen_records'] else 'equal to'} 0, or use a new "
+                         "--checkpoints folder to start over")
     old = {k: v for k, v in state["settings"].items() if k not in SCHEDULE}
     new = {k: v for k, v in cfg.items() if k not in SCHEDULE}
     if old != new:
         diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
         raise StoreError(f"{path} was made with other settings ({', '.join(diff)} differ): rerun with the same "
                          "options, or use a new --checkpoints folder to start over")
+    for row in state["timings"]:  # rows from before --regen-records could change: the settings' count
+        if row["kind"] == "regen":
+            row.setdefault("regen_records", state["settings"]["regen_records"])
     state["settings"] |= {k: cfg[k] for k in SCHEDULE}  # the schedule of the chunks to come
     return state
 
@@ -293,11 +308,21 @@ def regen_file(args, chunk: int) -> Path:
     return Path(args.work) / "regen-chunks" / f"chunk-{chunk:03d}.jsonl"
 
 
-def regenerated(args, cfg: dict, chunk: int, shards: range) -> Path:
-    """The target's answers to the first turns of the group's first ``regen_records`` records, as one JSONL file."""
-    merged = regen_file(args, chunk)
+def answers_file(args, chunk: int) -> Path:
+    """The committed copy of a chunk's answers (``regen_file``), kept until every head has trained on the chunk, so
+    that a fresh machine does not regenerate them (about 25 minutes a group of 1024 here)."""
+    return Path(args.checkpoints) / ANSWERS / f"chunk-{chunk:03d}.jsonl"
+
+
+def regenerated(args, cfg: dict, chunk: int, shards: range, records: int) -> Path:
+    """The target's answers to the first turns of the group's first ``records`` records, as one JSONL file (also
+    copied to ``answers_file``)."""
+    merged, committed = regen_file(args, chunk), answers_file(args, chunk)
+    if not merged.is_file() and committed.is_file():
+        merged.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(committed, merged)
     if not merged.is_file():
-        parts = min(math.ceil(cfg["regen_records"] / cfg["shard_records"]), len(shards))
+        parts = min(math.ceil(records / cfg["shard_records"]), len(shards))
         out = Path(args.work) / "regen"
         python("training.regenerate", "--target", cfg["target"], "--data", cfg["data"], "--out", str(out),
                "--parts", f"{shards.start}:{shards.start + parts}", "--part-size", str(cfg["shard_records"]),
@@ -305,20 +330,31 @@ def regenerated(args, cfg: dict, chunk: int, shards: range) -> Path:
                str(cfg["regen_new_tokens"]))
         text = "".join((out / f"part-{i:05d}.jsonl").read_text() for i in range(shards.start, shards.start + parts))
         atomic_write_text(merged, text)
+    if not committed.is_file():
+        atomic_write_text(committed, merged.read_text())
     return merged
 
 
-def build_chunk(args, cfg: dict, chunk: int, timing: dict) -> Path:
+def chunk_records(state: dict, cfg: dict, chunk: int) -> int:
+    """First turns the target answers for ``chunk`` (0 for a ShareGPT chunk): ``regen_records`` of the run that first
+    reached it, kept in its row of timings, so that a rerun with another --regen-records ends a chunk as it began."""
+    if chunk_source(cfg, chunk)[0] != "regen":
+        return 0
+    return chunk_timing(state, cfg, chunk).setdefault("regen_records", cfg["regen_records"])
+
+
+def build_chunk(args, cfg: dict, chunk: int, timing: dict, records: int = 0) -> Path:
     """-> the chunk's feature store (built here unless it exists); adds the seconds of each step to ``timing``
-    (a chunk's row of ``recipe.json``'s timings, kept across runs, so that a step resumed by a later run adds to it)."""
+    (a chunk's row of ``recipe.json``'s timings, kept across runs, so that a step resumed by a later run adds to it);
+    ``records``: the first turns answered for a chunk of the target's answers (``chunk_records``)."""
     kind, shards = chunk_source(cfg, chunk)
     common = ["--target", cfg["target"], "--max-len", str(cfg["max_len"]), "--dtype", args.dtype]
     t0 = time.time()
     if kind == "regen":
         store = Path(args.work) / "regen-features" / f"chunk-{chunk:03d}"
         if not (store / MANIFEST).is_file():
-            answered = regen_file(args, chunk).is_file()
-            regen = regenerated(args, cfg, chunk, shards)
+            answered = regen_file(args, chunk).is_file() or answers_file(args, chunk).is_file()
+            regen = regenerated(args, cfg, chunk, shards, records)
             if not answered:
                 timing["regenerate_s"] = timing.get("regenerate_s", 0) + round(time.time() - t0)
             t0 = time.time()
@@ -356,7 +392,7 @@ def fixed_records_file(args, kind: str) -> Path:
     return Path(args.checkpoints) / f"fixed-val-{kind}.jsonl"
 
 
-def held_out_records(args, cfg: dict, chunk: int) -> str:
+def held_out_records(args, cfg: dict, state: dict, chunk: int) -> str:
     """The records of ``chunk``'s held-out conversations (training's validation split: no head trains on these
     conversations, though the first turn of one may reach training with the other kind of answer, the target's or
     ShareGPT's), as JSONL: found by tokenizing the chunk's records as build_features did and matching the stored ids."""
@@ -369,11 +405,12 @@ def held_out_records(args, cfg: dict, chunk: int) -> str:
     from .store import FeatureStore
     from .train import VAL_FRACTION, split
 
-    store = FeatureStore(build_chunk(args, cfg, chunk, {}))
+    records = chunk_records(state, cfg, chunk)
+    store = FeatureStore(build_chunk(args, cfg, chunk, {}, records))
     wanted = {tuple(store[i].input_ids.tolist()): i for i in split(len(store), VAL_FRACTION)[1]}
     kind, shards = chunk_source(cfg, chunk)
     if kind == "regen":
-        records = iter_records(regenerated(args, cfg, chunk, shards))
+        records = iter_records(regenerated(args, cfg, chunk, shards, records))
     else:
         first = shards.start * cfg["shard_records"]
         records = itertools.islice(iter_records(cfg["data"]), first, shards.stop * cfg["shard_records"])
@@ -393,7 +430,7 @@ def held_out_records(args, cfg: dict, chunk: int) -> str:
     return "".join(lines)
 
 
-def fixed_val_stores(args, cfg: dict, upto: int) -> dict[str, Path]:
+def fixed_val_stores(args, cfg: dict, state: dict, upto: int) -> dict[str, Path]:
     """Features of the fixed validation sets of chunks up to ``upto`` (rebuilt from their committed records where
     lost; a set is first taken when the recipe reaches its chunk, so that nothing is built ahead of the schedule)."""
     stores = {}
@@ -402,7 +439,7 @@ def fixed_val_stores(args, cfg: dict, upto: int) -> dict[str, Path]:
         if chunk > upto and not records.is_file():
             continue
         if not records.is_file():
-            atomic_write_text(records, held_out_records(args, cfg, chunk))
+            atomic_write_text(records, held_out_records(args, cfg, state, chunk))
         stores[kind] = Path(args.work) / f"fixed-val-{kind}"
         if not (stores[kind] / MANIFEST).is_file():
             python("training.build_features", "--data", str(records), "--out", str(stores[kind]), "--target",
@@ -512,14 +549,25 @@ def export(args, state: dict, head: Head, chunk: int, run: Path, fixed: dict[str
                            "fixed": fixed})
 
 
+def git(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *argv], capture_output=True, text=True)
+
+
+def amends() -> bool:
+    """Whether the next commit amends HEAD: HEAD is a recipe commit that no other ref holds (a work branch's own), so
+    that the branch holds each head's weights once however often the run commits."""
+    subject, refs = git("log", "-1", "--format=%s").stdout, git("for-each-ref", "--contains", "HEAD").stdout
+    return subject.startswith(COMMIT_PREFIX) and len(refs.splitlines()) == 1
+
+
 def commit(args, message: str) -> None:
     folder = Path(args.checkpoints)
     for attempt in range(5):
-        add = subprocess.run(["git", "add", "--", str(folder)], capture_output=True, text=True)
-        done = add.returncode == 0 and subprocess.run(
-            ["git", "commit", "-q", "-m", message, "--", str(folder)], capture_output=True, text=True).returncode == 0
+        amend = ["--amend"] if amends() else []
+        done = git("add", "--", str(folder)).returncode == 0 and git(
+            "commit", "-q", *amend, "-m", COMMIT_PREFIX + message, "--", str(folder)).returncode == 0
         if done:
-            log.info("committed %s: %s", folder, message)
+            log.info("committed %s%s: %s", folder, " (amending the run's previous commit)" if amend else "", message)
             return
         time.sleep(5 * (attempt + 1))  # another git command in this checkout holds the index lock
     log.warning("could not commit %s (git add/commit failed 5 times); the files stay exported", folder)
@@ -555,9 +603,10 @@ def progress_markdown(cfg: dict, state: dict) -> str:
                                for k in kinds),
                              " / ".join(figure(p["top1"], 3) for p in r["passes"]),
                              " / ".join(figure(p["kept"], 2) for p in r["passes"])] for r in state["curve"]])
-    times = markdown_table(["chunk", "data", "stage", "tokens", "precision", "regenerate s", "features s",
-                            "training s per head (updates)"],
-                           [[t["chunk"], t["kind"], t["stage"], f"{t['tokens']:,}" if "tokens" in t else "-",
+    times = markdown_table(["chunk", "data", "stage", "conversations", "tokens", "precision", "regenerate s",
+                            "features s", "training s per head (updates)"],
+                           [[t["chunk"], t["kind"], t["stage"], t.get("conversations", "-"),
+                             f"{t['tokens']:,}" if "tokens" in t else "-",
                              t.get("precision", "bf16"),  # rows from before --precision: always bf16
                              t.get("regenerate_s", "-"),
                              t.get("features_s", "-"), ", ".join(f"{k} {v}" for k, v in t["train_s"].items())]
@@ -583,7 +632,8 @@ def plan_text(cfg: dict, state: dict) -> str:
     groups = math.ceil(cfg["shards"] / cfg["chunk_shards"])
     return (f"{cfg['records']} records, {cfg['shards']} shards, {groups} groups of {cfg['chunk_shards']} shards, "
             f"{cfg['chunks']} chunks (ShareGPT{' and regenerated answers' if cfg['regen_records'] else ''}); stages "
-            f"end at chunks {cfg['stage_ends']}; {cfg['regen_records']} regenerated first turns per group; chunks "
+            f"end at chunks {cfg['stage_ends']}; {cfg['regen_records']} regenerated first turns per group from "
+            "now on; chunks "
             "consumed: " + ", ".join(f"{h.name} {consumed_text(state, h)}" for h in STAGE1 + HEADS) + ".")
 
 
@@ -674,7 +724,8 @@ def run(args: argparse.Namespace, work: Path) -> int:
     if args.plan:
         return 0
     log.info("precision of every step: %s (--precision %s)", args.dtype, args.precision)
-    backfill_fixed_val(args, state, fixed_val_stores(args, cfg, max((p["chunk"] for p in state["curve"]), default=-1)))
+    backfill_fixed_val(args, state, fixed_val_stores(args, cfg, state,
+                                                     max((p["chunk"] for p in state["curve"]), default=-1)))
     for point in state["curve"]:  # training seconds from the runs' reports where they are on this machine
         run = run_folder(args, point["head"], point["chunk"])
         if (run / "validation.json").is_file():
@@ -708,7 +759,8 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
     following = next_chunk(args, cfg, state, chunk, todo, stop) if args.jobs > 1 else None
     if following is not None:  # submitted first: on a fresh machine it is built beside this chunk's data
         seconds = {}  # filled by the thread, added to the chunk's row of timings when the chunk starts
-        ahead[following] = (pool.submit(build_chunk, args, cfg, following, seconds), seconds)
+        records = chunk_records(state, cfg, following)
+        ahead[following] = (pool.submit(build_chunk, args, cfg, following, seconds, records), seconds)
         log.info("building chunk %d's data in a second process while chunk %d is built and trained on", following,
                  chunk)
     if chunk in ahead:
@@ -716,9 +768,10 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
         collect_ahead(state, cfg, ahead)  # its seconds, if not added yet
         del ahead[chunk]
     else:
-        store = build_chunk(args, cfg, chunk, timing)
-    timing["tokens"] = json.loads((store / MANIFEST).read_text())["num_tokens"]
-    fixed_stores = fixed_val_stores(args, cfg, chunk)
+        store = build_chunk(args, cfg, chunk, timing, chunk_records(state, cfg, chunk))
+    manifest = json.loads((store / MANIFEST).read_text())
+    timing["tokens"], timing["conversations"] = manifest["num_tokens"], manifest["num_samples"]
+    fixed_stores = fixed_val_stores(args, cfg, state, chunk)
     backfill_fixed_val(args, state, fixed_stores)
     save_state(path, cfg, state)
     steps = {h.name: pool.submit(train_and_score, args, cfg, state, h, chunk, store, fixed_stores) for h in todo} \
@@ -729,11 +782,13 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
         timing["train_s"][head.name] = train_seconds(run)
         export(args, state, head, chunk, run, fixed)
         last = head is todo[-1]
+        if all(chunks_done(state, h) > chunk for h in heads_of(stage)):  # no head will read its answers again
+            answers_file(args, chunk).unlink(missing_ok=True)
         collect_ahead(state, cfg, ahead)
         save_state(path, cfg, state)
         stage_end = last and chunk + 1 in (cfg["stage_ends"][stage - 1], stop)
         if args.commit and (stage_end or time.time() - last_commit >= args.commit_every):
-            commit(args, f"recipe: {head.name} after chunk {chunk} (stage {stage}) of {cfg['chunks']}")
+            commit(args, f"{head.name} after chunk {chunk} (stage {stage}) of {cfg['chunks']}")
             last_commit = time.time()
     return last_commit
 
