@@ -6,9 +6,12 @@
 Reads the ``recipe.json`` that ``training.recipe`` commits beside its heads (no model is run) and writes
 ``benchmarks/results/learning-curve.{json,md,png}``: top-1 at pass 1 on the recipe's two fixed validation sets after
 every chunk, GRIFFIN's ratio to EAGLE at the same tokens, and per head and set a least-squares fit
-``top1 = a + b * ln(tokens)`` over the points after ``--fit-from`` tokens. The fit's tokens for ``--target`` top-1 is
-an extrapolation of the curve so far, labelled as such: it says whether data at this rate could reach the target, not
-that it will.
+``top1 = a + b * ln(tokens)`` over the points after ``--fit-from`` tokens. A head forked from a stage-1 head at stage 2
+is fitted over its lineage: the parent's points before the fork, then its own. The fit's tokens for ``--target`` top-1
+is an extrapolation of the curve so far, labelled as such: it says whether data at this rate could reach the target,
+not that it will. Beside it, the mean change of top-1 that a chunk of each kind (ShareGPT, the target's answers) made
+over the same points: the two kinds pull the fixed sets in opposite directions, so the fit alone hides what each
+adds.
 """
 
 from __future__ import annotations
@@ -55,7 +58,27 @@ def tokens_for(line: dict, top1: float) -> float | None:
     return math.exp((top1 - line["a"]) / line["b"]) if line["b"] > 0 else None
 
 
+def lineage(state: dict, heads: dict[str, dict], head: str, kind: str) -> list[dict]:
+    """``head``'s points on one fixed set, after its parent's points before its first chunk (recipe.json's
+    ``forked_from``: a stage-2 head continues its stage-1 head)."""
+    own = heads[head].get(kind, [])
+    parent = state.get("heads", {}).get(head, {}).get("forked_from")
+    if not parent or parent not in heads or not own:
+        return own
+    return [p for p in lineage(state, heads, parent, kind) if p["chunk"] < own[0]["chunk"]] + own
+
+
+def gain_by_kind(points: list[dict], kinds: dict[int, str]) -> dict[str, float]:
+    """Mean change of top-1 over the chunks of each kind -> {"sharegpt": ..., "regen": ...} (consecutive points)."""
+    changes: dict[str, list[float]] = {}
+    for before, after in zip(points, points[1:]):
+        if after["chunk"] == before["chunk"] + 1 and after["chunk"] in kinds:
+            changes.setdefault(kinds[after["chunk"]], []).append(after["top1"] - before["top1"])
+    return {kind: sum(c) / len(c) for kind, c in changes.items()}
+
+
 def curve(state: dict, fit_from: int, target: float) -> dict:
+    chunk_kinds = {t["chunk"]: t["kind"] for t in state.get("timings", [])}
     heads: dict[str, dict] = {}
     for point in state["curve"]:
         for kind, passes in point.get("fixed", {}).items():
@@ -65,10 +88,12 @@ def curve(state: dict, fit_from: int, target: float) -> dict:
                     {"chunk": point["chunk"], "tokens": point["tokens_seen"], "top1": first})
     fits = {}
     for head, kinds in heads.items():
-        for kind, points in kinds.items():
-            line = fit([(p["tokens"], p["top1"]) for p in points if p["tokens"] > fit_from])
+        for kind in kinds:
+            points = [p for p in lineage(state, heads, head, kind) if p["tokens"] > fit_from]
+            line = fit([(p["tokens"], p["top1"]) for p in points])
             if line:
                 line["tokens_for_target"] = tokens_for(line, target)
+                line["gain_by_kind"] = gain_by_kind(points, chunk_kinds)
                 fits.setdefault(head, {})[kind] = line
     ratios = []
     for mine, theirs in PAIRS.items():
@@ -86,10 +111,12 @@ def table(result: dict) -> str:
             last = points[-1]
             line = result["fits"].get(head, {}).get(kind)
             reach = line and line["tokens_for_target"]
+            gains = line["gain_by_kind"] if line else {}
             rows.append([head, kind, f"{len(points)} ({line['points'] if line else 0})", f"{last['tokens']:,}",
                          f"{last['top1']:.3f}",
                          f"{line['per_doubling']:+.3f}" if line else "-",
-                         f"{reach / 1e6:,.0f}M" if reach else "-"])
+                         f"{reach / 1e6:,.0f}M" if reach else "-",
+                         *(f"{gains[k]:+.4f}" if k in gains else "-" for k in ("sharegpt", "regen"))])
     latest: dict[tuple[str, str], dict] = {}
     for r in result["ratios"]:
         latest[r["heads"], r["set"]] = r
@@ -97,12 +124,14 @@ def table(result: dict) -> str:
                   for (heads, kind), r in latest.items()]
     return ("# Learning curve of the recipe's heads\n\n"
             f"Validation top-1 at pass 1 on the recipe's fixed sets after every chunk (`{result['recipe']}`). "
-            f"Fit: least squares `top1 = a + b ln(tokens)` over the points after {result['fit_from']:,} tokens; "
+            f"Fit: least squares `top1 = a + b ln(tokens)` over the points after {result['fit_from']:,} tokens, a "
+            "stage-2 head's after its stage-1 parent's before the fork; "
             f"'tokens for {result['target']:.2f}' extrapolates that line (an estimate from the curve so far, not "
-            "a measurement).\n\n"
+            "a measurement). The last two columns: the mean change of top-1 made by one chunk of ShareGPT "
+            "conversations and by one chunk of the target's answers, over the same points.\n\n"
             + markdown_table(["head", "fixed set", "points (fitted)", "tokens seen", "top-1 now",
-                              "top-1 gain per doubling (fit)",
-                              f"tokens for {result['target']:.2f} (fit)"], rows)
+                              "top-1 gain per doubling (fit)", f"tokens for {result['target']:.2f} (fit)",
+                              "change per ShareGPT chunk", "change per answers chunk"], rows)
             + "\nGRIFFIN against EAGLE at the same chunk (same data and budget), latest point:\n\n"
             + markdown_table(["heads", "fixed set", "chunk", "tokens seen", "top-1 ratio"], ratio_rows)
             + ("\n![learning curve](learning-curve.png)\n" if result.get("plot") else "")

@@ -37,3 +37,18 @@ def test_the_curve_is_written_with_the_ratio_at_the_same_chunk_and_bad_input_is_
     capsys.readouterr()
     assert learning_curve.run_cli(learning_curve.main, argv=["--recipe", str(tmp_path / "none.json")]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_stage2_head_is_fitted_over_its_lineage_and_each_kind_of_chunk_shows_its_change(tmp_path):
+    parent = [point("griffin-s1", c, (c + 1) * 1_000_000, 0.3 + 0.02 * c) for c in range(4)]
+    forked = [point("griffin", c, (c + 1) * 1_000_000, 0.3 + 0.02 * c + (0.01 if c % 2 else -0.01)) for c in (4, 5)]
+    state = {"curve": parent + forked, "heads": {"griffin-s1": {"forked_from": None},
+                                                 "griffin": {"forked_from": "griffin-s1"}},
+             "timings": [{"chunk": c, "kind": ("sharegpt", "regen")[c % 2]} for c in range(6)]}
+    result = learning_curve.curve(state, 0, 0.6)
+    line = result["fits"]["griffin"]["regen"]
+    assert line["points"] == 6  # the parent's 4 points before the fork, then its own 2
+    assert result["fits"]["griffin-s1"]["regen"]["points"] == 4 and len(result["heads"]["griffin"]["regen"]) == 2
+    # chunk 4 (ShareGPT) moved griffin from its parent's 0.36 to 0.37, chunk 5 (answers) from 0.37 to 0.41
+    assert math.isclose(line["gain_by_kind"]["sharegpt"], (0.02 + 0.01) / 2)
+    assert math.isclose(line["gain_by_kind"]["regen"], (0.02 + 0.02 + 0.04) / 3)
