@@ -32,7 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .family import output_logits, verification_mask
 from .kernels import WeightMajorLinears, choose_kernels
-from .kv_cache import BufferCache
+from .kv_cache import BufferCache, cached_forward
 
 PACKED_GQA = "griffin_packed_gqa_sdpa"
 CACHE_BLOCK = 256  # KV buffers grow in steps of this many positions, so that similar requests reuse them
@@ -120,8 +120,8 @@ class TargetBackend:
         """ids [P] into an empty cache -> hidden [P, H], logits of the last position [1, V]. A plain causal forward."""
         cache = self.cache if cache is None else cache
         positions = torch.arange(cache.length, cache.length + ids.shape[0], device=ids.device)
-        hidden = self.decoder(input_ids=ids[None], position_ids=positions[None], past_key_values=cache,
-                              use_cache=True).last_hidden_state[0]  # [P, H]
+        hidden = cached_forward(self.decoder, cache, input_ids=ids[None],
+                                position_ids=positions[None]).last_hidden_state[0]  # [P, H]
         return hidden, output_logits(self.model, hidden[-1:])
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
@@ -135,8 +135,8 @@ class TargetBackend:
         mask = verification_mask(self.model, cache.length, tree_mask, self.lm_head.weight.dtype)
         small = q <= max(self.weight_major.max_rows, 1)  # one token: the one-row kernel; 2..max_rows: their kernels
         with self.weight_major if small else contextlib.nullcontext(), self.packed_gqa:
-            hidden = self.decoder(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask,
-                                  past_key_values=cache, use_cache=True).last_hidden_state[0]  # [q, H]
+            hidden = cached_forward(self.decoder, cache, input_ids=tokens[None], position_ids=positions[None],
+                                    attention_mask=mask).last_hidden_state[0]  # [q, H]
             logits = output_logits(self.model, hidden[-1:] if last_logits_only else hidden)
         return hidden, logits
 
@@ -169,6 +169,6 @@ class TargetBackend:
 
     def _verification_pass(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                            cache: BufferCache) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.decoder(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask,
-                              past_key_values=cache, use_cache=True).last_hidden_state[0]  # [q, H]
+        hidden = cached_forward(self.decoder, cache, input_ids=tokens[None], position_ids=positions[None],
+                                attention_mask=mask).last_hidden_state[0]  # [q, H]
         return hidden, output_logits(self.model, hidden)

@@ -30,7 +30,7 @@ from .chain import ChainVerifier
 from .family import output_logits
 from .io import atomic_write_json, read_json
 from .kernels import cpu_name
-from .kv_cache import BufferCache
+from .kv_cache import BufferCache, cached_forward
 from .sampling import SamplingConfig, greedy, sample, warp
 from .target import cache_dir, target_fingerprint
 from .tree import Tree, chain
@@ -88,8 +88,8 @@ class DraftLM:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         """tokens [q] at positions [q] after the cached context (causal) -> logits of the last one [V']."""
-        hidden = self.decoder(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache,
-                              use_cache=True).last_hidden_state[0, -1]
+        hidden = cached_forward(self.decoder, cache, input_ids=tokens[None],
+                                position_ids=positions[None]).last_hidden_state[0, -1]
         return self.logits(hidden)
 
 

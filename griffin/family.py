@@ -159,7 +159,7 @@ def check_target(model) -> None:
                                 "the target with attn_implementation='sdpa' (or call model.set_attn_implementation("
                                 "'sdpa'))")
     attention_windows(model.config)
-    from .kv_cache import BufferCache
+    from .kv_cache import BufferCache, cached_forward
 
     device = next(model.parameters()).device
     dtype = model.get_output_embeddings().weight.dtype
@@ -177,11 +177,10 @@ def check_target(model) -> None:
             want_b = model(input_ids=torch.cat((ids[:7], branch_b[:2]))[None], use_cache=False).logits[0, 7:9]
             cache = BufferCache(_text_config(model.config).num_hidden_layers, 11)
             causal = torch.ones(6, 6, dtype=torch.bool, device=device).tril()
-            decoder(input_ids=ids[None, :6], position_ids=torch.arange(6, device=device)[None],
-                    attention_mask=verification_mask(model, 0, causal, dtype), past_key_values=cache, use_cache=True)
-            hidden = decoder(input_ids=tree[None], position_ids=(6 + depths)[None],
-                             attention_mask=verification_mask(model, 6, allowed, dtype), past_key_values=cache,
-                             use_cache=True).last_hidden_state[0]
+            cached_forward(decoder, cache, input_ids=ids[None, :6], position_ids=torch.arange(6, device=device)[None],
+                           attention_mask=verification_mask(model, 0, causal, dtype))
+            hidden = cached_forward(decoder, cache, input_ids=tree[None], position_ids=(6 + depths)[None],
+                                    attention_mask=verification_mask(model, 6, allowed, dtype)).last_hidden_state[0]
             got = output_logits(model, hidden)
     except UnsupportedTarget:
         raise

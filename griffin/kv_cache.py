@@ -1,16 +1,34 @@
 """Preallocated KV caches, written in place, never reallocated while generating.
 
-:class:`BufferCache` plugs into any HF causal LM as ``past_key_values``. All layers' keys and values live in one
-[L, 2, B, nkv, max_len, D] buffer (a layer whose shapes differ from the others gets its own), so that keeping the
-accepted path's entries after a verification pass is one index copy (:meth:`BufferCache.keep`). The buffer is kept
-for the next generation when it is large enough (:meth:`BufferCache.prepare`). :class:`DraftCache` is the same idea
-for the one-layer draft head.
+:class:`BufferCache` plugs into any HF causal LM as its KV cache (:func:`cached_forward`). All layers' keys and
+values live in one [L, 2, B, nkv, max_len, D] buffer (a layer whose shapes differ from the others gets its own), so
+that keeping the accepted path's entries after a verification pass is one index copy (:meth:`BufferCache.keep`). The
+buffer is kept for the next generation when it is large enough (:meth:`BufferCache.prepare`). :class:`DraftCache` is
+the same idea for the one-layer draft head.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+_KEYWORDS: dict[type, str] = {}  # decoder class -> its cache keyword (a plain dict: torch.compile traces through it)
+
+
+def cache_keyword(decoder_type: type) -> str:
+    """The keyword of a decoder's KV cache: ``cache`` from transformers 5.24 on (``past_key_values`` warns there on
+    every call and goes in 5.40), ``past_key_values`` before."""
+    if decoder_type not in _KEYWORDS:
+        names = inspect.signature(decoder_type.forward).parameters
+        _KEYWORDS[decoder_type] = "cache" if "cache" in names else "past_key_values"
+    return _KEYWORDS[decoder_type]
+
+
+def cached_forward(decoder: torch.nn.Module, cache: Cache, **inputs):
+    """``decoder(**inputs)`` attending over and extending ``cache``, in any transformers 5.x."""
+    return decoder(**inputs, **{cache_keyword(type(decoder)): cache}, use_cache=True)
 
 
 class BufferLayer(DynamicLayer):
@@ -58,7 +76,7 @@ class BufferLayer(DynamicLayer):
 
 
 class BufferCache(Cache):
-    """A target KV cache of ``num_layers`` preallocated layers, usable as HF ``past_key_values``."""
+    """A target KV cache of ``num_layers`` preallocated layers, usable as any HF decoder's cache."""
 
     def __init__(self, num_layers: int, max_len: int):
         super().__init__(layers=[BufferLayer(self, i) for i in range(num_layers)])

@@ -12,7 +12,7 @@ import torch
 
 from .family import output_logits
 from .kernels import WeightMajorLinears, choose_kernels
-from .kv_cache import BufferCache
+from .kv_cache import BufferCache, cached_forward
 from .sampling import SamplingConfig, sample_token
 
 
@@ -25,8 +25,8 @@ def plain_generate(target, ids: torch.Tensor, max_new_tokens: int, sampling: Sam
     kernels = WeightMajorLinears(target, 0, one_row or choose_kernels(target).one_row)
     cache = BufferCache(target.config.get_text_config().num_hidden_layers, ids.shape[0] + max_new_tokens)
     positions = torch.arange(ids.shape[0], device=ids.device)
-    hidden = decoder(input_ids=ids[None], position_ids=positions[None], past_key_values=cache,
-                     use_cache=True).last_hidden_state  # the prompt: F.linear
+    hidden = cached_forward(decoder, cache, input_ids=ids[None],
+                            position_ids=positions[None]).last_hidden_state  # the prompt: F.linear
     new = []
     with kernels:
         while True:
@@ -35,6 +35,6 @@ def plain_generate(target, ids: torch.Tensor, max_new_tokens: int, sampling: Sam
             if len(new) == max_new_tokens or torch.isin(token, eos).any():
                 break
             positions = positions[-1:] + 1
-            hidden = decoder(input_ids=token[None], position_ids=positions[None], past_key_values=cache,
-                             use_cache=True).last_hidden_state
+            hidden = cached_forward(decoder, cache, input_ids=token[None],
+                                    position_ids=positions[None]).last_hidden_state
     return torch.cat(new)

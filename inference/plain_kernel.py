@@ -62,7 +62,7 @@ from tqdm.auto import tqdm
 from griffin.chat import prompt_ids
 from griffin.family import output_logits
 from griffin.kernels import ONE_ROW_KERNELS, WeightMajorLinears, measure_kernels, pick
-from griffin.kv_cache import BufferCache
+from griffin.kv_cache import BufferCache, cached_forward
 from griffin.plain import plain_generate
 from griffin.sampling import SamplingConfig, greedy
 from griffin.target import load_target
@@ -73,15 +73,14 @@ def measure(model, ids: torch.Tensor, context: int, rounds: int, new_tokens: int
     decoder = model.get_decoder()
     cache = BufferCache(model.config.get_text_config().num_hidden_layers, context + 1)
     tokens = torch.randint(0, model.config.vocab_size, (context + 1,), generator=torch.Generator().manual_seed(0))
-    decoder(input_ids=tokens[None, :context], position_ids=torch.arange(context)[None], past_key_values=cache,
-            use_cache=True)
+    cached_forward(decoder, cache, input_ids=tokens[None, :context], position_ids=torch.arange(context)[None])
     position = torch.tensor([[context]])
 
     def step(kernel: str) -> tuple[float, float]:
         with WeightMajorLinears(model, 0, kernel):
             t0, c0 = time.perf_counter(), time.process_time()
-            hidden = decoder(input_ids=tokens[None, context:], position_ids=position, past_key_values=cache,
-                             use_cache=True).last_hidden_state
+            hidden = cached_forward(decoder, cache, input_ids=tokens[None, context:],
+                                    position_ids=position).last_hidden_state
             greedy(output_logits(model, hidden[0, -1]))
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         cache.crop(context)

@@ -128,7 +128,7 @@ from griffin.family import verification_mask
 from griffin.generator import default_head, fast_draft_dtype
 from griffin.io import atomic_write_text, read_journal
 from griffin.kernels import WeightMajorLinears, choose_kernels
-from griffin.kv_cache import BufferCache
+from griffin.kv_cache import BufferCache, cached_forward
 from griffin.plain import plain_generate
 from griffin.sampling import SamplingConfig
 from griffin.target import cache_dir, file_lock, load_target, resolve_dtype, target_fingerprint
@@ -330,8 +330,8 @@ def target_features(target: PreTrainedModel, prompt: torch.Tensor, continuation:
         positions = torch.arange(start, start + q, device=tokens.device)
         small = start == 0 and 2 <= q <= weight_major.max_rows  # as SpecGenerator._target_forward on the prompt
         with weight_major if small else contextlib.nullcontext():
-            out = decoder(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache,
-                          use_cache=True, attention_mask=verification_mask(target, start, causal, dtype))
+            out = cached_forward(decoder, cache, input_ids=tokens[None], position_ids=positions[None],
+                                 attention_mask=verification_mask(target, start, causal, dtype))
         hidden.append(out.last_hidden_state[0])
     return torch.cat(hidden)
 

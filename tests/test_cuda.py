@@ -21,7 +21,7 @@ from transformers import AutoConfig
 
 from griffin import DraftModel
 from griffin.family import output_logits, verification_mask
-from griffin.kv_cache import BufferCache
+from griffin.kv_cache import BufferCache, cached_forward
 from griffin.target import target_fingerprint
 from griffin.tree import build_tree
 from tests.conftest import run_module, tiny_model
@@ -75,11 +75,10 @@ def tree_logits(model, context: torch.Tensor, tree) -> torch.Tensor:
     decoder, dtype, p = model.get_decoder(), model.lm_head.weight.dtype, context.shape[0]
     cache = BufferCache(model.config.num_hidden_layers, p + tree.size)
     causal = torch.ones(p, p, dtype=torch.bool, device=context.device).tril()
-    decoder(input_ids=context[None], position_ids=torch.arange(p, device=context.device)[None],
-            attention_mask=verification_mask(model, 0, causal, dtype), past_key_values=cache, use_cache=True)
-    hidden = decoder(input_ids=tree.tokens[None], position_ids=(p + tree.depths)[None],
-                     attention_mask=verification_mask(model, p, tree.ancestors, dtype), past_key_values=cache,
-                     use_cache=True).last_hidden_state[0]
+    cached_forward(decoder, cache, input_ids=context[None], position_ids=torch.arange(p, device=context.device)[None],
+                   attention_mask=verification_mask(model, 0, causal, dtype))
+    hidden = cached_forward(decoder, cache, input_ids=tree.tokens[None], position_ids=(p + tree.depths)[None],
+                            attention_mask=verification_mask(model, p, tree.ancestors, dtype)).last_hidden_state[0]
     return output_logits(model, hidden).float()
 
 

@@ -11,7 +11,7 @@ from griffin import DraftConfig, DraftModel, SpecGenerator
 from griffin.backend import PackedGQA, TargetBackend
 from griffin.drafters import OracleDrafter
 from griffin.generator import GenerationStats
-from griffin.kv_cache import BufferCache
+from griffin.kv_cache import BufferCache, cache_keyword, cached_forward
 from griffin.sampling import SamplingConfig, sample
 from griffin.tree import build_tree, chain
 from griffin.verify import Greedy, TreeSampling, follow
@@ -257,6 +257,25 @@ def test_buffer_cache_serves_layers_of_other_shapes():
     cache.keep(1, torch.tensor([2]))
     assert cache.length == 2 and torch.equal(cache.layers[1].keys[:, :, 1], k1[:, :, 2])
     assert torch.equal(cache.layers[0].values[:, :, 1], k0[:, :, 2] + 1)
+
+
+def test_cached_forward_names_the_cache_as_this_transformers_does_and_decodes_as_one_forward():
+    target = tiny_model()
+    decoder, ids = target.get_decoder(), torch.arange(1, 8)[None]
+    cache = BufferCache(target.config.num_hidden_layers, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the deprecated keyword would warn on every call
+        first = cached_forward(decoder, cache, input_ids=ids[:, :5], position_ids=torch.arange(5)[None])
+        rest = cached_forward(decoder, cache, input_ids=ids[:, 5:], position_ids=torch.arange(5, 7)[None])
+    whole = decoder(input_ids=ids, use_cache=False).last_hidden_state
+    assert torch.allclose(torch.cat((first.last_hidden_state, rest.last_hidden_state), 1), whole, atol=1e-5)
+    assert cache.length == 7
+
+    class Older(torch.nn.Module):  # a transformers 5.x from before the rename
+        def forward(self, input_ids, past_key_values=None, use_cache=False):
+            return past_key_values
+
+    assert cached_forward(Older(), cache, input_ids=ids) is cache and cache_keyword(Older) == "past_key_values"
 
 
 def test_interleaved_generations_do_not_share_buffers():

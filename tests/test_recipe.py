@@ -108,10 +108,9 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     calls.clear()
     with caplog.at_level(logging.INFO, logger="recipe"):
         assert recipe.main(argv + ["--jobs", str(jobs)]) == 0
-    ahead = [r.getMessage() for r in caplog.records if "second process" in r.getMessage()]
-    if jobs > 1:  # chunk 0 was trained before: chunks 2 and 3 are built ahead, and heads train side by side
-        assert ahead == [f"building chunk {c + 1}'s data in a second process while chunk {c} is built and trained "
-                         "on" for c in (1, 2)]
+    ahead = [r.getMessage() for r in caplog.records if "data ahead" in r.getMessage()]
+    if jobs > 1:  # chunk 0 was trained before: chunks 2 and 3 are built ahead (--ahead 2), heads train side by side
+        assert ahead == [f"building chunk {c}'s data ahead, while chunk 1 is built and trained on" for c in (2, 3)]
         assert training["most"] > 1
     else:
         assert not ahead and training["most"] == 1
@@ -239,6 +238,29 @@ def test_a_recipe_commit_amends_the_runs_own_previous_one(tmp_path, monkeypatch)
     (ckpt / "head.safetensors").write_text("3")
     recipe.commit(args, "head after chunk 3")
     assert len(git("log", "--format=%s").splitlines()) == 3
+
+
+def test_a_step_of_a_chunk_built_ahead_waits_while_a_step_of_the_present_chunk_waits(monkeypatch):
+    monkeypatch.setattr(recipe, "FREE", {"slots": 1, "waiting": 1})  # a free process, and a step of the present waits
+    ran = threading.Event()
+
+    def step_built_ahead() -> None:
+        recipe.AHEAD.active = True
+        with recipe.slot():
+            ran.set()
+
+    thread = threading.Thread(target=step_built_ahead)
+    thread.start()
+    assert not ran.wait(0.5)  # the free process is the present's
+    with recipe.SLOTS:
+        recipe.FREE["waiting"] = 0  # the present's step took another one
+        recipe.SLOTS.notify_all()
+    assert ran.wait(30)
+    thread.join(30)
+    assert recipe.FREE == {"slots": 1, "waiting": 0}
+    recipe.AHEAD.active = False
+    with recipe.slot():  # a step of the present takes a free process at once
+        assert recipe.FREE == {"slots": 0, "waiting": 0}
 
 
 def test_a_failing_chunk_ends_the_steps_beside_it_and_starts_no_more(tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
 """The shipped heads of the embedded target, trained on all of ShareGPT in chunks that survive fresh machines.
 
     OMP_NUM_THREADS=1 python -m training.recipe --commit      # run or continue; commit the heads as they improve
-    python -m training.recipe --commit --jobs 2               # two processes: data and training overlap
+    python -m training.recipe --commit --jobs 2               # two processes: data (2 chunks ahead) beside training
     python -m training.recipe --plan                          # what is done, what comes next, and nothing else
 
 Stop it with Ctrl-C or ``kill PID`` (its steps' processes end with it); the same command resumes it. One recipe at
@@ -60,8 +60,10 @@ kind of answer). Each chunk's own held-out 5 % is reported too, but changes with
 **Time here** (2 CPU cores shared with other work, one thread; every step in bf16 where the CPU has bf16 instructions,
 else in fp32, ``--precision``): the rates of each step are in ``benchmarks/results/pipeline-throughput*.md``; the
 seconds each chunk's steps took are in ``recipe.json`` (``timings``) and its ``README.md``, written as the run goes.
-With ``--jobs`` 2 or more, steps overlap (the next chunk's data beside this chunk's training, heads beside each other):
-each step's seconds are still its own wall time, so a chunk's row no longer adds up to the time it took.
+With ``--jobs`` 2 or more, steps overlap (the data of the next ``--ahead`` chunks beside this chunk's training, heads
+beside each other; a step of the chunk being trained on takes a free process first, so building ahead only fills what
+training leaves idle): each step's seconds are still its own wall time, so a chunk's row no longer adds up to the time
+it took.
 """
 
 from __future__ import annotations
@@ -151,9 +153,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated heads to train now (default: all); the others catch up on a later run")
     p.add_argument("--threads", type=int, default=1, help="threads of every step (OMP_NUM_THREADS of its process)")
     p.add_argument("--jobs", type=int, default=1,
-                   help="steps run at once, each a process of --threads threads: from 2 on, the next chunk's data "
-                        "(regeneration, features) is built while the heads train on this one, and the heads of a "
-                        "chunk train side by side as processes are free")
+                   help="steps run at once, each a process of --threads threads: from 2 on, the data of the next "
+                        "--ahead chunks (regeneration, features) is built while the heads train on this one, and the "
+                        "heads of a chunk train side by side as processes are free; training steps go first")
+    p.add_argument("--ahead", type=int, default=2,
+                   help="with --jobs 2 or more: chunks whose data is built ahead of the training (each built once "
+                        "a process is free and no training step waits for one)")
     p.add_argument("--commit", action="store_true", help="git-commit the exported heads and recipe.json")
     p.add_argument("--commit-every", type=int, default=3600, help="seconds between commits (stage ends always)")
     p.add_argument("--plan", action="store_true", help="print the state and the next steps, run nothing")
@@ -168,9 +173,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.heads = [h for h in args.heads.split(",") if h] if args.heads else []
     if any(h not in names for h in args.heads):
         p.error(f"--heads must name some of {', '.join(sorted(names))}")
-    if min(args.chunk_shards, args.shard_records, args.jobs, args.threads) < 1 or args.regen_records < 0:
-        p.error("--chunk-shards, --shard-records, --jobs and --threads must be at least 1 and --regen-records at "
-                "least 0")
+    if min(args.chunk_shards, args.shard_records, args.jobs, args.threads, args.ahead) < 1 or args.regen_records < 0:
+        p.error("--chunk-shards, --shard-records, --jobs, --threads and --ahead must be at least 1 and "
+                "--regen-records at least 0")
     return args
 
 
@@ -250,10 +255,39 @@ def load_state(path: Path, cfg: dict) -> dict:
 RUNNING: set[subprocess.Popen] = set()  # the steps' processes now running (up to --jobs)
 STOPPING = threading.Event()  # set when the run fails or is interrupted: no step starts after it
 PROCESSES = threading.Lock()  # guards RUNNING and the check of STOPPING before a step starts
+SLOTS = threading.Condition()  # guards FREE: processes that may start (--jobs), and steps of the present waiting
+FREE = {"slots": 1, "waiting": 0}
+AHEAD = threading.local()  # .active: this thread builds a chunk ahead, and its steps wait for the present's
+
+
+@contextmanager
+def slot():
+    """One of the --jobs processes, held while a step runs: a step of a chunk built ahead takes one only while no
+    other step waits for one, so that building ahead never delays the chunk being trained on."""
+    ahead = getattr(AHEAD, "active", False)
+    with SLOTS:
+        FREE["waiting"] += not ahead
+        try:
+            SLOTS.wait_for(lambda: STOPPING.is_set() or FREE["slots"] > 0 and (not ahead or not FREE["waiting"]))
+        finally:
+            FREE["waiting"] -= not ahead
+        FREE["slots"] -= 1
+        SLOTS.notify_all()  # a step built ahead may take the slots left once nothing else waits
+    try:
+        yield
+    finally:
+        with SLOTS:
+            FREE["slots"] += 1
+            SLOTS.notify_all()
 
 
 def python(module: str, *argv: str) -> None:
-    """Run ``python -m module argv`` as its own process (its output goes to this log), or fail."""
+    """Run ``python -m module argv`` as its own process (its output goes to this log) once a slot is free, or fail."""
+    with slot():
+        run_step(module, *argv)
+
+
+def run_step(module: str, *argv: str) -> None:
     with PROCESSES:
         if STOPPING.is_set():
             raise RuntimeError(f"not starting python -m {module}: the recipe is stopping")
@@ -637,6 +671,19 @@ def plan_text(cfg: dict, state: dict) -> str:
             "consumed: " + ", ".join(f"{h.name} {consumed_text(state, h)}" for h in STAGE1 + HEADS) + ".")
 
 
+def chunks_ahead(args, cfg: dict, state: dict, chunk: int, todo: list[Head], stop: int) -> list[int]:
+    """The next ``--ahead`` chunks after ``chunk`` that a head will train on in this run (``next_chunk``, then the
+    chunks after it while the heads this run trains have some due on them)."""
+    following, chunks = next_chunk(args, cfg, state, chunk, todo, stop), []
+    while following is not None and len(chunks) < args.ahead:
+        chunks.append(following)
+        following += 1
+        due = following < stop and (not args.heads or any(h.name in args.heads
+                                                           for h in heads_of(stage_of(cfg, following))))
+        following = following if due else None
+    return chunks
+
+
 def next_chunk(args, cfg: dict, state: dict, chunk: int, todo: list[Head], stop: int) -> int | None:
     """The chunk after ``chunk`` if a head will train on it in this run once the heads ``todo`` have trained on
     ``chunk`` (what ``--jobs`` 2 or more builds ahead)."""
@@ -658,10 +705,35 @@ def stop_steps(pool: ThreadPoolExecutor) -> None:
     """After a failure or Ctrl-C: queued steps never start and running ones end (the finished shards, parts and
     training states of a step are kept, so a rerun resumes them)."""
     STOPPING.set()
+    with SLOTS:
+        SLOTS.notify_all()  # steps waiting for a process give up
     pool.shutdown(wait=False, cancel_futures=True)
     with PROCESSES:
         for proc in RUNNING:
             proc.terminate()
+
+
+def submit_build(args, cfg: dict, state: dict, pool: ThreadPoolExecutor, ahead: dict[int, tuple[Future, dict]],
+                 chunk: int, present: bool) -> None:
+    """Build ``chunk``'s data in the pool -> ``ahead[chunk]`` (its build, and the seconds its steps took, which the
+    thread fills and ``collect_ahead`` adds to the chunk's row of timings). It starts after the builds of its kind
+    submitted before it (one at a time writes into the shared ShareGPT store); unless it is the ``present`` chunk's,
+    its steps wait while a step of the present waits for a process."""
+    seconds: dict = {}
+    records = chunk_records(state, cfg, chunk)
+    kind = chunk_source(cfg, chunk)[0]
+    before = [future for c, (future, _) in ahead.items() if chunk_source(cfg, c)[0] == kind]
+
+    def build() -> Path:
+        for future in before:
+            future.result()
+        AHEAD.active = not present
+        try:
+            return build_chunk(args, cfg, chunk, seconds, records)
+        finally:
+            AHEAD.active = False
+
+    ahead[chunk] = (pool.submit(build), seconds)
 
 
 def collect_ahead(state: dict, cfg: dict, ahead: dict[int, tuple[Future, dict]]) -> None:
@@ -714,6 +786,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, work: Path) -> int:
     STOPPING.clear()  # a run in this process after a stopped one
+    FREE.update(slots=args.jobs, waiting=0)
     args.dtype = resolve_precision(args.precision)
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)  # for every step's process
     work.mkdir(parents=True, exist_ok=True)
@@ -733,7 +806,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
     save_state(path, cfg, state)
     last_commit = 0.0  # the first head this run exports is committed at once, later ones at most every --commit-every
     stop = cfg["chunks"] if args.chunks is None else min(cfg["chunks"], args.chunks)
-    with ThreadPoolExecutor(args.jobs) as pool:  # each thread waits on one step's process
+    with ThreadPoolExecutor(len(HEADS) + args.ahead + 1) as pool:  # threads wait for slots, then for one step each
         ahead: dict[int, tuple[Future, dict]] = {}
         try:
             for chunk in range(stop):
@@ -756,13 +829,12 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
         return last_commit
     timing = chunk_timing(state, cfg, chunk)
     timing["precision"] = args.dtype
-    following = next_chunk(args, cfg, state, chunk, todo, stop) if args.jobs > 1 else None
-    if following is not None:  # submitted first: on a fresh machine it is built beside this chunk's data
-        seconds = {}  # filled by the thread, added to the chunk's row of timings when the chunk starts
-        records = chunk_records(state, cfg, following)
-        ahead[following] = (pool.submit(build_chunk, args, cfg, following, seconds, records), seconds)
-        log.info("building chunk %d's data in a second process while chunk %d is built and trained on", following,
-                 chunk)
+    if args.jobs > 1:  # this chunk's data (unless built ahead already), then the next chunks' beside it
+        for c in [chunk] + chunks_ahead(args, cfg, state, chunk, todo, stop):
+            if c not in ahead:
+                submit_build(args, cfg, state, pool, ahead, c, present=c == chunk)
+                if c != chunk:
+                    log.info("building chunk %d's data ahead, while chunk %d is built and trained on", c, chunk)
     if chunk in ahead:
         store = ahead[chunk][0].result()
         collect_ahead(state, cfg, ahead)  # its seconds, if not added yet
