@@ -136,9 +136,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-shards", type=int, default=4, help="shards per chunk")
     p.add_argument("--stage-chunks", default="0.5,0.25,0.25",
                    help="fractions of the chunks given to stages 1 (K=1), 2 and 3")
-    p.add_argument("--regen-records", type=int, default=512,
-                   help="first turns per group answered by the target (0 = none; rounded up to whole shards, at most "
-                        "the group's records); a rerun may change it for the groups it has not started")
+    p.add_argument("--regen-records", type=int, default=1024,
+                   help="first turns per group answered by the target (default: all of a group of 4 shards of 256; "
+                        "0 = none; rounded up to whole shards, at most the group's records); a rerun may change it "
+                        "for the groups it has not started (chunks 1-19 were answered with 512)")
     p.add_argument("--regen-batch", type=int, default=16, help="prompts per generate call (pipeline-throughput.md)")
     p.add_argument("--regen-new-tokens", type=int, default=320)
     p.add_argument("--max-len", type=int, default=1024)
