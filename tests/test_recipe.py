@@ -204,7 +204,7 @@ def test_committed_answers_spare_a_fresh_machine_their_regeneration_and_go_once_
     assert code == 2 and "with regenerated answers" in err and "--regen-records above 0" in err
 
 
-def test_a_recipe_commit_amends_the_runs_own_previous_one(tmp_path, monkeypatch):
+def test_a_recipe_commit_amends_its_own_previous_one_on_a_work_branch_never_on_main(tmp_path, monkeypatch):
     import subprocess
     from argparse import Namespace
 
@@ -220,24 +220,32 @@ def test_a_recipe_commit_amends_the_runs_own_previous_one(tmp_path, monkeypatch)
     git("init", "-q", "-b", "main")
     (tmp_path / "README.md").write_text("x")
     git("add", "README.md")
-    git("commit", "-q", "-m", "recipe: a landed commit of main")
-    git("checkout", "-q", "-b", "scale")
+    git("commit", "-q", "-m", "a landed commit")
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     args = Namespace(checkpoints=str(ckpt))
-    for i in range(3):
+
+    def chunk(i: int) -> None:  # a head after chunk i, and the answers of the chunk after it
         (ckpt / "head.safetensors").write_text(str(i))
         (ckpt / f"answers-{i}.jsonl").write_text(str(i))
-        if i:
+        if (ckpt / f"answers-{i - 1}.jsonl").exists():
             (ckpt / f"answers-{i - 1}.jsonl").unlink()
         recipe.commit(args, f"head after chunk {i}")
-    assert git("log", "--format=%s").splitlines() == ["recipe: head after chunk 2", "recipe: a landed commit of main"]
-    assert sorted(git("show", "--name-only", "--format=", "HEAD").split()) == ["ckpt/answers-2.jsonl",
-                                                                              "ckpt/head.safetensors"]
-    git("branch", "kept")  # another ref holds the run's commit: the next one is new
-    (ckpt / "head.safetensors").write_text("3")
-    recipe.commit(args, "head after chunk 3")
+
+    for i in range(2):  # on main, whose commits land as they are, every commit is new
+        chunk(i)
     assert len(git("log", "--format=%s").splitlines()) == 3
+    git("checkout", "-q", "-b", "scale")
+    for i in range(2, 5):  # the first commit of the work branch is new (main holds HEAD), the others amend it
+        chunk(i)
+    assert git("log", "--format=%s").splitlines() == ["recipe: head after chunk 4", "recipe: head after chunk 1",
+                                                      "recipe: head after chunk 0", "a landed commit"]
+    assert sorted(git("diff", "--name-only", "main", "HEAD").split()) == ["ckpt/answers-1.jsonl",
+                                                                          "ckpt/answers-4.jsonl",
+                                                                          "ckpt/head.safetensors"]
+    git("branch", "kept")  # another ref holds the run's commit: the next one is new
+    chunk(5)
+    assert len(git("log", "--format=%s").splitlines()) == 5
 
 
 def test_a_step_of_a_chunk_built_ahead_waits_while_a_step_of_the_present_chunk_waits(monkeypatch):

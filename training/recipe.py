@@ -42,7 +42,8 @@ against tokens seen) and the seconds of every step of every chunk; ``README.md``
 ``--commit`` that folder is committed to the current branch: at the first head a run exports, then at most once per
 ``--commit-every`` seconds, and at every stage end. Every commit holds the heads' whole weights (about 12 MB a head),
 and the diffs of a session's commits are capped at 256 MiB together (a session whose commits went over landed nothing,
-twice): so a commit amends the run's previous one while that is a recipe commit no other ref holds. Run ``--commit`` in
+twice): so a commit amends the previous one while that is a recipe commit of a work branch that no other ref holds
+(never on main). Run ``--commit`` in
 a work branch (``git worktree add -b scale ...``), bring it into main with ``git merge --squash scale``, then delete
 the branch (or reset it to main), so that a session submits each head once however many chunks it trained. The
 target's answers of a chunk are committed too (``regen-answers/``, about 1.5 MB a chunk) until every head has trained
@@ -99,6 +100,8 @@ LR_DECAY = 0.85  # per chunk within a stage
 REGEN_LR = 0.3  # the peak rate of a chunk of the target's answers, relative to LR[stage] * LR_DECAY**i
 SCHEDULE = ("lr", "lr_decay", "regen_lr", "regen_records")  # settings a rerun may change (for the chunks to come)
 COMMIT_PREFIX = "recipe: "  # the subject of the recipe's commits
+TRAILER = "Recipe-run: training.recipe"  # the last line of their message: what it may amend
+LANDED = ("main", "master")  # branches whose commits are submitted as they are: never amended
 ANSWERS = "regen-answers"  # in --checkpoints: the target's answers of the chunks some head has yet to train on
 
 
@@ -440,12 +443,12 @@ def held_out_records(args, cfg: dict, state: dict, chunk: int) -> str:
     from .store import FeatureStore
     from .train import VAL_FRACTION, split
 
-    records = chunk_records(state, cfg, chunk)
-    store = FeatureStore(build_chunk(args, cfg, chunk, {}, records))
+    answered = chunk_records(state, cfg, chunk)
+    store = FeatureStore(build_chunk(args, cfg, chunk, {}, answered))
     wanted = {tuple(store[i].input_ids.tolist()): i for i in split(len(store), VAL_FRACTION)[1]}
     kind, shards = chunk_source(cfg, chunk)
     if kind == "regen":
-        records = iter_records(regenerated(args, cfg, chunk, shards, records))
+        records = iter_records(regenerated(args, cfg, chunk, shards, answered))
     else:
         first = shards.start * cfg["shard_records"]
         records = itertools.islice(iter_records(cfg["data"]), first, shards.stop * cfg["shard_records"])
@@ -589,10 +592,11 @@ def git(*argv: str) -> subprocess.CompletedProcess:
 
 
 def amends() -> bool:
-    """Whether the next commit amends HEAD: HEAD is a recipe commit that no other ref holds (a work branch's own), so
-    that the branch holds each head's weights once however often the run commits."""
-    subject, refs = git("log", "-1", "--format=%s").stdout, git("for-each-ref", "--contains", "HEAD").stdout
-    return subject.startswith(COMMIT_PREFIX) and len(refs.splitlines()) == 1
+    """Whether the next commit amends HEAD: HEAD is a recipe commit on a work branch (not main) that no other ref
+    holds, so that the branch holds each head's weights once however often the run commits."""
+    branch = git("symbolic-ref", "--short", "-q", "HEAD").stdout.strip()
+    message, refs = git("log", "-1", "--format=%B").stdout, git("for-each-ref", "--contains", "HEAD").stdout
+    return branch not in ("", *LANDED) and message.rstrip().endswith(TRAILER) and len(refs.splitlines()) == 1
 
 
 def commit(args, message: str) -> None:
@@ -600,7 +604,7 @@ def commit(args, message: str) -> None:
     for attempt in range(5):
         amend = ["--amend"] if amends() else []
         done = git("add", "--", str(folder)).returncode == 0 and git(
-            "commit", "-q", *amend, "-m", COMMIT_PREFIX + message, "--", str(folder)).returncode == 0
+            "commit", "-q", *amend, "-m", COMMIT_PREFIX + message, "-m", TRAILER, "--", str(folder)).returncode == 0
         if done:
             log.info("committed %s%s: %s", folder, " (amending the run's previous commit)" if amend else "", message)
             return
