@@ -48,6 +48,15 @@ def test_regenerate_answers_only_the_parts_asked_for(tmp_path, tiny_target_dir, 
     assert "generation throughput" in caplog.text
 
 
+def tiny_recipe(tmp_path, target_dir, *argv: str) -> tuple:
+    """-> (--checkpoints, the recipe's arguments) for 8 short conversations in shards of 4 and a tiny target."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in conversations(8, words=10)))
+    ckpt = tmp_path / "ckpt"
+    return ckpt, ["--target", str(target_dir), "--data", str(data), "--checkpoints", str(ckpt), "--shard-records", "4",
+                  "--regen-new-tokens", "4", "--max-len", "128", "--draft-vocab", "512", "--batch-size", "2", *argv]
+
+
 @pytest.mark.parametrize("jobs", [1, 3])
 def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, tiny_target_dir, monkeypatch,
                                                                       caplog, jobs):
@@ -71,12 +80,8 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
             training["now"] -= module == "training.train"
 
     monkeypatch.setattr(recipe, "python", in_process)
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in conversations(8, words=10)))
-    ckpt = tmp_path / "ckpt"
-    args = ["--target", str(tiny_target_dir), "--data", str(data), "--checkpoints", str(ckpt), "--shard-records",
-            "4", "--chunk-shards", "1", "--stage-chunks", "3,1,0.01", "--regen-records", "2", "--regen-new-tokens", "4",
-            "--max-len", "128", "--draft-vocab", "512", "--batch-size", "2"]
+    ckpt, args = tiny_recipe(tmp_path, tiny_target_dir, "--chunk-shards", "1", "--stage-chunks", "3,1,0.01",
+                             "--regen-records", "2")
     machine = {"--work": str(tmp_path / "work"), "--sharegpt-store": str(tmp_path / "sharegpt")}
     argv = args + [x for kv in machine.items() for x in kv]
     assert recipe.main(argv + ["--chunks", "1"]) == 0
@@ -175,13 +180,8 @@ def test_committed_answers_spare_a_fresh_machine_their_regeneration_and_go_once_
         assert importlib.import_module(module).main(list(argv)) == 0
 
     monkeypatch.setattr(recipe, "python", in_process)
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in conversations(8, words=10)))
-    ckpt = tmp_path / "ckpt"
-    args = ["--target", str(tiny_target_dir), "--data", str(data), "--checkpoints", str(ckpt), "--shard-records",
-            "4", "--chunk-shards", "2", "--regen-new-tokens", "4", "--max-len", "128", "--draft-vocab", "512",
-            "--batch-size", "2", "--stage-chunks", "1,0.01,0.01", "--work", str(tmp_path / "work"), "--sharegpt-store",
-            str(tmp_path / "sharegpt")]
+    ckpt, args = tiny_recipe(tmp_path, tiny_target_dir, "--chunk-shards", "2", "--stage-chunks", "1,0.01,0.01",
+                             "--work", str(tmp_path / "work"), "--sharegpt-store", str(tmp_path / "sharegpt"))
     # one group of 8 records, all stage 1: chunk 0 its ShareGPT, chunk 1 the answers to its first 4 (3 rounded up)
     assert recipe.main(args + ["--regen-records", "3", "--heads", "griffin-s1"]) == 0
     state = json.loads((ckpt / "recipe.json").read_text())
