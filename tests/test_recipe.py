@@ -61,9 +61,11 @@ def tiny_recipe(tmp_path, target_dir, *argv: str) -> tuple:
 def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, tiny_target_dir, monkeypatch,
                                                                       caplog, jobs):
     calls = []
-    training = {"now": 0, "most": 0}  # training steps running at once
+    training = {"now": 0, "most": 0}  # training steps asked for at once
 
-    beside = threading.Event()  # chunk 2's features are being built (in the second process)
+    beside = threading.Event()  # chunk 2's features are asked for (in a second process)
+    one_at_a_time = threading.Lock()  # in one process, steps must not overlap: loading a model sets torch's default
+    # dtype, which is process-wide, so a model loaded beside another could get some tensors in the other's dtype
 
     def in_process(module: str, *argv: str) -> None:  # the recipe's steps, without a process each
         calls.append((module, argv))
@@ -75,7 +77,8 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
             training["now"] += 1
             training["most"] = max(training["most"], training["now"])
         try:
-            assert importlib.import_module(module).main(list(argv)) == 0
+            with one_at_a_time:
+                assert importlib.import_module(module).main(list(argv)) == 0
         finally:
             training["now"] -= module == "training.train"
 
@@ -269,6 +272,27 @@ def test_a_step_of_a_chunk_built_ahead_waits_while_a_step_of_the_present_chunk_w
     recipe.AHEAD.active = False
     with recipe.slot():  # a step of the present takes a free process at once
         assert recipe.FREE == {"slots": 0, "waiting": 0}
+
+
+def test_a_chunk_built_ahead_starts_once_the_training_on_the_chunk_before_it_is_asked_for(monkeypatch):
+    """Else it would take the process that the present chunk's data frees before the present's heads ask for it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(recipe, "FREE", {"slots": 2, "waiting": 0, "submitted": -1})
+    built = []
+    monkeypatch.setattr(recipe, "build_chunk", lambda args, cfg, chunk, seconds, records: built.append(chunk))
+    cfg = {"regen_records": 0, "chunk_shards": 1, "shards": 4}  # ShareGPT chunks only: one kind, one store
+    ahead = {}
+    with ThreadPoolExecutor(4) as pool:
+        recipe.submit_build(None, cfg, {}, pool, ahead, 0, present=True)
+        recipe.submit_build(None, cfg, {}, pool, ahead, 1, present=False)
+        ahead[0][0].result(30)
+        time.sleep(0.3)
+        assert built == [0]  # chunk 0's data is built, but its heads have not asked for processes yet
+        ran = recipe.present_steps(pool, 0, {"griffin": (lambda: "trained",)})
+        ahead[1][0].result(30)
+        assert built == [0, 1] and ran["griffin"].result(30) == "trained"
+    assert recipe.FREE == {"slots": 2, "waiting": 0, "submitted": 0}  # a step that started no process is not waiting
 
 
 def test_a_failing_chunk_ends_the_steps_beside_it_and_starts_no_more(tmp_path, monkeypatch):

@@ -259,18 +259,19 @@ def load_state(path: Path, cfg: dict) -> dict:
 RUNNING: set[subprocess.Popen] = set()  # the steps' processes now running (up to --jobs)
 STOPPING = threading.Event()  # set when the run fails or is interrupted: no step starts after it
 PROCESSES = threading.Lock()  # guards RUNNING and the check of STOPPING before a step starts
-SLOTS = threading.Condition()  # guards FREE: processes that may start (--jobs), and steps of the present waiting
-FREE = {"slots": 1, "waiting": 0}
-AHEAD = threading.local()  # .active: this thread builds a chunk ahead, and its steps wait for the present's
+SLOTS = threading.Condition()  # guards FREE: processes that may start (--jobs), steps of the present waiting for one,
+FREE = {"slots": 1, "waiting": 0, "submitted": -1}  # and the last chunk whose training steps were submitted
+AHEAD = threading.local()  # .active: this thread builds a chunk ahead; .announced: its step is counted as waiting
 
 
 @contextmanager
 def slot():
     """One of the --jobs processes, held while a step runs: a step of a chunk built ahead takes one only while no
     other step waits for one, so that building ahead never delays the chunk being trained on."""
-    ahead = getattr(AHEAD, "active", False)
+    ahead, announced = getattr(AHEAD, "active", False), getattr(AHEAD, "announced", False)
+    AHEAD.announced = False
     with SLOTS:
-        FREE["waiting"] += not ahead
+        FREE["waiting"] += not ahead and not announced
         try:
             SLOTS.wait_for(lambda: STOPPING.is_set() or FREE["slots"] > 0 and (not ahead or not FREE["waiting"]))
         finally:
@@ -283,6 +284,29 @@ def slot():
         with SLOTS:
             FREE["slots"] += 1
             SLOTS.notify_all()
+
+
+def present_steps(pool: ThreadPoolExecutor, chunk: int, steps: dict[str, tuple]) -> dict[str, Future]:
+    """Submit the present chunk's steps (name -> (function, *arguments)), each counted as waiting for a process from
+    now on, before its thread asks for one: a build ahead that waited for this chunk (``submit_build``) finds them
+    waiting, and so cannot take the process that the chunk's data has just freed."""
+    def announced(function, *arguments):
+        AHEAD.announced = True
+        try:
+            return function(*arguments)
+        finally:
+            if AHEAD.announced:  # it started no process: its count ends here
+                AHEAD.announced = False
+                with SLOTS:
+                    FREE["waiting"] -= 1
+                    SLOTS.notify_all()
+
+    with SLOTS:
+        FREE["waiting"] += len(steps)
+        futures = {name: pool.submit(announced, *step) for name, step in steps.items()}
+        FREE["submitted"] = max(FREE["submitted"], chunk)
+        SLOTS.notify_all()
+    return futures
 
 
 def python(module: str, *argv: str) -> None:
@@ -722,16 +746,19 @@ def submit_build(args, cfg: dict, state: dict, pool: ThreadPoolExecutor, ahead: 
                  chunk: int, present: bool) -> None:
     """Build ``chunk``'s data in the pool -> ``ahead[chunk]`` (its build, and the seconds its steps took, which the
     thread fills and ``collect_ahead`` adds to the chunk's row of timings). It starts after the builds of its kind
-    submitted before it (one at a time writes into the shared ShareGPT store); unless it is the ``present`` chunk's,
-    its steps wait while a step of the present waits for a process."""
+    submitted before it (one at a time writes into the shared ShareGPT store) and once the training on those chunks
+    is submitted (``present_steps``); unless it is the ``present`` chunk's, its steps wait while a step of the present
+    waits for a process."""
     seconds: dict = {}
     records = chunk_records(state, cfg, chunk)
     kind = chunk_source(cfg, chunk)[0]
-    before = [future for c, (future, _) in ahead.items() if chunk_source(cfg, c)[0] == kind]
+    before = {c: future for c, (future, _) in ahead.items() if chunk_source(cfg, c)[0] == kind}
 
     def build() -> Path:
-        for future in before:
+        for future in before.values():
             future.result()
+        with SLOTS:
+            SLOTS.wait_for(lambda: STOPPING.is_set() or FREE["submitted"] >= max(before, default=-1))
         AHEAD.active = not present
         try:
             return build_chunk(args, cfg, chunk, seconds, records)
@@ -791,7 +818,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, work: Path) -> int:
     STOPPING.clear()  # a run in this process after a stopped one
-    FREE.update(slots=args.jobs, waiting=0)
+    FREE.update(slots=args.jobs, waiting=0, submitted=-1)
     args.dtype = resolve_precision(args.precision)
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)  # for every step's process
     work.mkdir(parents=True, exist_ok=True)
@@ -819,6 +846,8 @@ def run(args: argparse.Namespace, work: Path) -> int:
         except BaseException:
             stop_steps(pool)
             raise
+        if any(not future.done() for future, _ in ahead.values()):  # built for heads this run does not train
+            stop_steps(pool)
     print(plan_text(cfg, state))
     return 0
 
@@ -831,6 +860,9 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
     stage = stage_of(cfg, chunk)
     todo = [h for h in heads_of(stage) if chunks_done(state, h) == chunk and (not args.heads or h.name in args.heads)]
     if not todo:
+        with SLOTS:  # builds ahead that wait for this chunk's training go on
+            FREE["submitted"] = max(FREE["submitted"], chunk)
+            SLOTS.notify_all()
         return last_commit
     timing = chunk_timing(state, cfg, chunk)
     timing["precision"] = args.dtype
@@ -851,8 +883,8 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
     fixed_stores = fixed_val_stores(args, cfg, state, chunk)
     backfill_fixed_val(args, state, fixed_stores)
     save_state(path, cfg, state)
-    steps = {h.name: pool.submit(train_and_score, args, cfg, state, h, chunk, store, fixed_stores) for h in todo} \
-        if args.jobs > 1 else {}
+    steps = present_steps(pool, chunk, {h.name: (train_and_score, args, cfg, state, h, chunk, store, fixed_stores)
+                                        for h in todo}) if args.jobs > 1 else {}
     for head in todo:
         run, fixed = steps[head.name].result() if steps else train_and_score(args, cfg, state, head, chunk, store,
                                                                              fixed_stores)
