@@ -117,7 +117,7 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     with caplog.at_level(logging.INFO, logger="recipe"):
         assert recipe.main(argv + ["--jobs", str(jobs)]) == 0
     ahead = [r.getMessage() for r in caplog.records if "data ahead" in r.getMessage()]
-    if jobs > 1:  # chunk 0 was trained before: chunks 2 and 3 are built ahead (--ahead 2), heads train side by side
+    if jobs > 1:  # chunk 0 was trained before: chunks 2 and 3 are built ahead, heads train side by side
         assert ahead == [f"building chunk {c}'s data ahead, while chunk 1 is built and trained on" for c in (2, 3)]
         assert training["most"] > 1
     else:
@@ -274,24 +274,27 @@ def test_a_step_of_a_chunk_built_ahead_waits_while_a_step_of_the_present_chunk_w
         assert recipe.FREE == {"slots": 0, "waiting": 0}
 
 
-def test_a_chunk_built_ahead_starts_once_the_training_on_the_chunk_before_it_is_asked_for(monkeypatch):
+def test_a_chunk_built_ahead_after_the_present_ones_kind_starts_once_the_present_training_is_asked_for(monkeypatch):
     """Else it would take the process that the present chunk's data frees before the present's heads ask for it."""
     from concurrent.futures import ThreadPoolExecutor
 
     monkeypatch.setattr(recipe, "FREE", {"slots": 2, "waiting": 0, "submitted": -1})
     built = []
     monkeypatch.setattr(recipe, "build_chunk", lambda args, cfg, chunk, seconds, records: built.append(chunk))
-    cfg = {"regen_records": 0, "chunk_shards": 1, "shards": 4}  # ShareGPT chunks only: one kind, one store
+    monkeypatch.setattr(recipe, "chunk_records", lambda state, cfg, chunk: 0)
+    cfg = {"regen_records": 1, "chunk_shards": 1, "shards": 2}  # chunks 0, 2: ShareGPT; 1, 3: the target's answers
     ahead = {}
     with ThreadPoolExecutor(4) as pool:
-        recipe.submit_build(None, cfg, {}, pool, ahead, 0, present=True)
-        recipe.submit_build(None, cfg, {}, pool, ahead, 1, present=False)
-        ahead[0][0].result(30)
+        for chunk in range(4):  # chunk 0 is the present one, 1 to 3 are built ahead
+            recipe.submit_build(None, cfg, {}, pool, ahead, chunk, present=0)
+        for chunk in (0, 1, 3):
+            ahead[chunk][0].result(30)
         time.sleep(0.3)
-        assert built == [0]  # chunk 0's data is built, but its heads have not asked for processes yet
+        # chunk 3 followed chunk 1, which is not the present one; chunk 2 waits for chunk 0's heads to ask for processes
+        assert sorted(built) == [0, 1, 3]
         ran = recipe.present_steps(pool, 0, {"griffin": (lambda: "trained",)})
-        ahead[1][0].result(30)
-        assert built == [0, 1] and ran["griffin"].result(30) == "trained"
+        ahead[2][0].result(30)
+        assert sorted(built) == [0, 1, 2, 3] and ran["griffin"].result(30) == "trained"
     assert recipe.FREE == {"slots": 2, "waiting": 0, "submitted": 0}  # a step that started no process is not waiting
 
 

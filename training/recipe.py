@@ -1,7 +1,7 @@
 """The shipped heads of the embedded target, trained on all of ShareGPT in chunks that survive fresh machines.
 
     OMP_NUM_THREADS=1 python -m training.recipe --commit      # run or continue; commit the heads as they improve
-    python -m training.recipe --commit --jobs 2               # two processes: data (2 chunks ahead) beside training
+    python -m training.recipe --commit --jobs 2               # two processes: data (3 chunks ahead) beside training
     python -m training.recipe --plan                          # what is done, what comes next, and nothing else
 
 Stop it with Ctrl-C or ``kill PID`` (its steps' processes end with it); the same command resumes it. One recipe at
@@ -160,7 +160,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="steps run at once, each a process of --threads threads: from 2 on, the data of the next "
                         "--ahead chunks (regeneration, features) is built while the heads train on this one, and the "
                         "heads of a chunk train side by side as processes are free; training steps go first")
-    p.add_argument("--ahead", type=int, default=2,
+    p.add_argument("--ahead", type=int, default=3,
                    help="with --jobs 2 or more: chunks whose data is built ahead of the training (each built once "
                         "a process is free and no training step waits for one)")
     p.add_argument("--commit", action="store_true", help="git-commit the exported heads and recipe.json")
@@ -743,23 +743,24 @@ def stop_steps(pool: ThreadPoolExecutor) -> None:
 
 
 def submit_build(args, cfg: dict, state: dict, pool: ThreadPoolExecutor, ahead: dict[int, tuple[Future, dict]],
-                 chunk: int, present: bool) -> None:
+                 chunk: int, present: int) -> None:
     """Build ``chunk``'s data in the pool -> ``ahead[chunk]`` (its build, and the seconds its steps took, which the
     thread fills and ``collect_ahead`` adds to the chunk's row of timings). It starts after the builds of its kind
-    submitted before it (one at a time writes into the shared ShareGPT store) and once the training on those chunks
-    is submitted (``present_steps``); unless it is the ``present`` chunk's, its steps wait while a step of the present
-    waits for a process."""
+    submitted before it (one at a time writes into the shared ShareGPT store), and if one of those is the ``present``
+    chunk's, once its training is submitted (``present_steps``): the process its data frees is the present heads'.
+    Unless it is the present chunk's, its steps wait while a step of the present waits for a process."""
     seconds: dict = {}
     records = chunk_records(state, cfg, chunk)
     kind = chunk_source(cfg, chunk)[0]
     before = {c: future for c, (future, _) in ahead.items() if chunk_source(cfg, c)[0] == kind}
+    gate = present if present in before else -1
 
     def build() -> Path:
         for future in before.values():
             future.result()
         with SLOTS:
-            SLOTS.wait_for(lambda: STOPPING.is_set() or FREE["submitted"] >= max(before, default=-1))
-        AHEAD.active = not present
+            SLOTS.wait_for(lambda: STOPPING.is_set() or FREE["submitted"] >= gate)
+        AHEAD.active = chunk != present
         try:
             return build_chunk(args, cfg, chunk, seconds, records)
         finally:
@@ -869,7 +870,7 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
     if args.jobs > 1:  # this chunk's data (unless built ahead already), then the next chunks' beside it
         for c in [chunk] + chunks_ahead(args, cfg, state, chunk, todo, stop):
             if c not in ahead:
-                submit_build(args, cfg, state, pool, ahead, c, present=c == chunk)
+                submit_build(args, cfg, state, pool, ahead, c, present=chunk)
                 if c != chunk:
                     log.info("building chunk %d's data ahead, while chunk %d is built and trained on", c, chunk)
     if chunk in ahead:
