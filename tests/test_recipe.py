@@ -67,7 +67,7 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     one_at_a_time = threading.Lock()  # in one process, steps must not overlap: loading a model sets torch's default
     # dtype, which is process-wide, so a model loaded beside another could get some tensors in the other's dtype
 
-    def in_process(module: str, *argv: str) -> None:  # the recipe's steps, without a process each
+    def in_process(module: str, *argv: str) -> float:  # the recipe's steps, without a process each
         calls.append((module, argv))
         if module == "training.build_features" and "1:2" in argv:
             beside.set()
@@ -78,7 +78,9 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
             training["most"] = max(training["most"], training["now"])
         try:
             with one_at_a_time:
+                t0 = time.time()
                 assert importlib.import_module(module).main(list(argv)) == 0
+                return time.time() - t0
         finally:
             training["now"] -= module == "training.train"
 
@@ -178,9 +180,10 @@ def test_committed_answers_spare_a_fresh_machine_their_regeneration_and_go_once_
         tmp_path, tiny_target_dir, monkeypatch):
     calls = []
 
-    def in_process(module: str, *argv: str) -> None:
+    def in_process(module: str, *argv: str) -> float:
         calls.append(module)
         assert importlib.import_module(module).main(list(argv)) == 0
+        return 1.0
 
     monkeypatch.setattr(recipe, "python", in_process)
     ckpt, args = tiny_recipe(tmp_path, tiny_target_dir, "--chunk-shards", "2", "--stage-chunks", "1,0.01,0.01",
@@ -202,6 +205,8 @@ def test_committed_answers_spare_a_fresh_machine_their_regeneration_and_go_once_
     state = json.loads((ckpt / "recipe.json").read_text())
     assert state["heads"]["eagle-s1"]["chunks"] == [0, 1] and state["settings"]["regen_records"] == 8
     assert state["timings"][1]["regen_records"] == 4  # chunk 1 ends as it began
+    # each step took 1 s: the rebuilds here replace the lost machine's seconds (its answers were not redone)
+    assert [(t["features_s"], t.get("regenerate_s")) for t in state["timings"]] == [(1, None), (1, 1)]
     assert not answers.exists()  # every head of the stage has trained on chunk 1
     code, err = run_main("training.recipe", *args, "--regen-records", "0")
     assert code == 2 and "with regenerated answers" in err and "--regen-records above 0" in err

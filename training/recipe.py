@@ -309,13 +309,15 @@ def present_steps(pool: ThreadPoolExecutor, chunk: int, steps: dict[str, tuple])
     return futures
 
 
-def python(module: str, *argv: str) -> None:
-    """Run ``python -m module argv`` as its own process (its output goes to this log) once a slot is free, or fail."""
+def python(module: str, *argv: str) -> float:
+    """Run ``python -m module argv`` as its own process (its output goes to this log) once a slot is free, or fail;
+    -> the seconds the process ran (not those it waited for a slot)."""
     with slot():
-        run_step(module, *argv)
+        return run_step(module, *argv)
 
 
-def run_step(module: str, *argv: str) -> None:
+def run_step(module: str, *argv: str) -> float:
+    t0 = time.time()
     with PROCESSES:
         if STOPPING.is_set():
             raise RuntimeError(f"not starting python -m {module}: the recipe is stopping")
@@ -333,6 +335,7 @@ def run_step(module: str, *argv: str) -> None:
                 RUNNING.discard(proc)
     if code != 0:
         raise RuntimeError(f"python -m {module} failed with exit code {code}")
+    return time.time() - t0
 
 
 def chunk_source(cfg: dict, chunk: int) -> tuple[str, range]:
@@ -376,9 +379,15 @@ def answers_file(args, chunk: int) -> Path:
     return Path(args.checkpoints) / ANSWERS / f"chunk-{chunk:03d}.jsonl"
 
 
-def regenerated(args, cfg: dict, chunk: int, shards: range, records: int) -> Path:
+def add_seconds(timing: dict, key: str, seconds: float, fresh: bool) -> None:
+    """A step's seconds into its chunk's row: added to the row's (a step resumed by a later run on this machine), or
+    in its place where the step started from nothing (the row's came from a machine whose work was lost)."""
+    timing[key] = round(seconds) + (0 if fresh else timing.get(key, 0))
+
+
+def regenerated(args, cfg: dict, chunk: int, shards: range, records: int, timing: dict | None = None) -> Path:
     """The target's answers to the first turns of the group's first ``records`` records, as one JSONL file (also
-    copied to ``answers_file``)."""
+    copied to ``answers_file``); the seconds of a regeneration run here go to ``timing["regenerate_s"]``."""
     merged, committed = regen_file(args, chunk), answers_file(args, chunk)
     if not merged.is_file() and committed.is_file():
         merged.parent.mkdir(parents=True, exist_ok=True)
@@ -386,11 +395,15 @@ def regenerated(args, cfg: dict, chunk: int, shards: range, records: int) -> Pat
     if not merged.is_file():
         parts = min(math.ceil(records / cfg["shard_records"]), len(shards))
         out = Path(args.work) / "regen"
-        python("training.regenerate", "--target", cfg["target"], "--data", cfg["data"], "--out", str(out),
-               "--parts", f"{shards.start}:{shards.start + parts}", "--part-size", str(cfg["shard_records"]),
-               "--dtype", args.dtype, "--batch-size", str(args.regen_batch), "--max-new-tokens",
-               str(cfg["regen_new_tokens"]))
-        text = "".join((out / f"part-{i:05d}.jsonl").read_text() for i in range(shards.start, shards.start + parts))
+        files = [out / f"part-{i:05d}.jsonl" for i in range(shards.start, shards.start + parts)]
+        fresh = not any(f.is_file() for f in files)
+        seconds = python("training.regenerate", "--target", cfg["target"], "--data", cfg["data"], "--out", str(out),
+                         "--parts", f"{shards.start}:{shards.start + parts}", "--part-size", str(cfg["shard_records"]),
+                         "--dtype", args.dtype, "--batch-size", str(args.regen_batch), "--max-new-tokens",
+                         str(cfg["regen_new_tokens"]))
+        if timing is not None:
+            add_seconds(timing, "regenerate_s", seconds, fresh)
+        text = "".join(f.read_text() for f in files)
         atomic_write_text(merged, text)
     if not committed.is_file():
         atomic_write_text(committed, merged.read_text())
@@ -406,30 +419,27 @@ def chunk_records(state: dict, cfg: dict, chunk: int) -> int:
 
 
 def build_chunk(args, cfg: dict, chunk: int, timing: dict, records: int = 0) -> Path:
-    """-> the chunk's feature store (built here unless it exists); adds the seconds of each step to ``timing``
-    (a chunk's row of ``recipe.json``'s timings, kept across runs, so that a step resumed by a later run adds to it);
-    ``records``: the first turns answered for a chunk of the target's answers (``chunk_records``)."""
+    """-> the chunk's feature store (built here unless it exists); the seconds of each step go to ``timing`` (a
+    chunk's row of ``recipe.json``'s timings, ``add_seconds``); ``records``: the first turns answered for a chunk of
+    the target's answers (``chunk_records``)."""
     kind, shards = chunk_source(cfg, chunk)
     common = ["--target", cfg["target"], "--max-len", str(cfg["max_len"]), "--dtype", args.dtype]
-    t0 = time.time()
     if kind == "regen":
         store = Path(args.work) / "regen-features" / f"chunk-{chunk:03d}"
         if not (store / MANIFEST).is_file():
-            answered = regen_file(args, chunk).is_file() or answers_file(args, chunk).is_file()
-            regen = regenerated(args, cfg, chunk, shards, records)
-            if not answered:
-                timing["regenerate_s"] = timing.get("regenerate_s", 0) + round(time.time() - t0)
-            t0 = time.time()
-            python("training.build_features", "--data", str(regen), "--out", str(store), *common)
-            timing["features_s"] = timing.get("features_s", 0) + round(time.time() - t0)
+            regen = regenerated(args, cfg, chunk, shards, records, timing)
+            fresh = not any(store.glob("shard-*"))
+            add_seconds(timing, "features_s",
+                        python("training.build_features", "--data", str(regen), "--out", str(store), *common), fresh)
         return store
     view = Path(args.work) / "chunks" / f"chunk-{chunk:03d}"  # links to the chunk's shards of the shared store
     if (view / MANIFEST).is_file():
         return view
     sharegpt = Path(args.sharegpt_store)
-    python("training.build_features", "--data", cfg["data"], "--out", str(sharegpt), "--shards",
-           f"{shards.start}:{shards.stop}", "--shard-size", str(cfg["shard_records"]), *common)
-    timing["features_s"] = timing.get("features_s", 0) + round(time.time() - t0)
+    fresh = not any((sharegpt / shard_name(shard)).is_file() for shard in shards)
+    add_seconds(timing, "features_s", python("training.build_features", "--data", cfg["data"], "--out", str(sharegpt),
+                                             "--shards", f"{shards.start}:{shards.stop}", "--shard-size",
+                                             str(cfg["shard_records"]), *common), fresh)
     tmp = view.with_name(view.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
