@@ -40,10 +40,12 @@ per chunk, validation reports) to ``--checkpoints/wip-<head>`` (``checkpoints/sm
 ``recipe.json`` there records the settings, the chunks each head has consumed, the learning curve (validation top-1
 against tokens seen) and the seconds of every step of every chunk; ``README.md`` there shows them as tables. With
 ``--commit`` that folder is committed to the current branch: at the first head a run exports, then at most once per
-``--commit-every`` seconds, and at every stage end. Every commit holds the heads' whole weights (about 12 MB a head),
-and the diffs of a session's commits are capped at 256 MiB together (a session whose commits went over landed nothing,
-twice): so a commit amends the previous one while that is a recipe commit of a work branch that no other ref holds
-(never on main). Run ``--commit`` in
+``--commit-every`` seconds, and at every stage end. Every commit holds the heads' whole weights (8-15 MB a head), and
+the diffs of a session's commits are capped at 256 MiB together (a session whose commits went over landed nothing,
+twice). Git's binary patches carry each changed file both ways, so one commit of the five stage-2 heads is about 130 MB
+of diff text (134.8 MB of ``git log -p --binary`` for session 15's commits, one squash of the heads among them): a
+session can submit the heads once. So a commit amends the previous one while that is a recipe commit of a work branch
+that no other ref holds (never on main). Run ``--commit`` in
 a work branch (``git worktree add -b scale ...``), bring it into main with ``git merge --squash scale``, then delete
 the branch (or reset it to main), so that a session submits each head once however many chunks it trained. The
 target's answers of a chunk are committed too (``regen-answers/``, about 1.5 MB a chunk) until every head has trained
