@@ -868,8 +868,8 @@ def run(args: argparse.Namespace, work: Path) -> int:
 def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, pool: ThreadPoolExecutor,
               ahead: dict[int, tuple[Future, dict]], last_commit: float) -> float:
     """Every head due on ``chunk`` trains on it, is scored, exported and (with --commit) committed; -> the time of the
-    last commit. With --jobs 2 or more, the next chunk's data is built meanwhile (``ahead``: chunk -> its build and
-    seconds) and the heads train side by side; they are exported in order."""
+    last commit. With --jobs 2 or more, the data of the next --ahead chunks is built meanwhile (``ahead``: chunk -> its
+    build and seconds) and the heads train side by side; they are exported in order."""
     stage = stage_of(cfg, chunk)
     todo = [h for h in heads_of(stage) if chunks_done(state, h) == chunk and (not args.heads or h.name in args.heads)]
     if not todo:
