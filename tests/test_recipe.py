@@ -257,7 +257,7 @@ def test_a_recipe_commit_amends_its_own_previous_one_on_a_work_branch_never_on_m
 
 
 def test_a_step_of_a_chunk_built_ahead_waits_while_a_step_of_the_present_chunk_waits(monkeypatch):
-    monkeypatch.setattr(recipe, "FREE", {"slots": 1, "waiting": 1})  # a free process, and a step of the present waits
+    monkeypatch.setattr(recipe, "FREE", {"slots": 1, "ahead": 1, "waiting": 1})  # a free process; a present step waits
     ran = threading.Event()
 
     def step_built_ahead() -> None:
@@ -273,17 +273,49 @@ def test_a_step_of_a_chunk_built_ahead_waits_while_a_step_of_the_present_chunk_w
         recipe.SLOTS.notify_all()
     assert ran.wait(30)
     thread.join(30)
-    assert recipe.FREE == {"slots": 1, "waiting": 0}
+    assert recipe.FREE == {"slots": 1, "ahead": 1, "waiting": 0}
     recipe.AHEAD.active = False
     with recipe.slot():  # a step of the present takes a free process at once
-        assert recipe.FREE == {"slots": 0, "waiting": 0}
+        assert recipe.FREE == {"slots": 0, "ahead": 1, "waiting": 0}
+
+
+def test_builds_ahead_never_hold_the_last_process(monkeypatch):
+    """The present chunk's steps come one after another (an export, then the next head): between two of them no step
+    of the present waits, and builds ahead must not take every process in that moment."""
+    monkeypatch.setattr(recipe, "FREE", {"slots": 2, "ahead": 1, "waiting": 0})  # --jobs 2
+    started = [threading.Event(), threading.Event()]
+    done = threading.Event()
+
+    def step_built_ahead(i: int) -> None:
+        recipe.AHEAD.active = True
+        with recipe.slot():
+            started[i].set()
+            done.wait(30)
+
+    def present_step() -> None:
+        with recipe.slot():
+            present.set()
+
+    builds = [threading.Thread(target=step_built_ahead, args=(i,)) for i in range(2)]
+    for thread in builds:
+        thread.start()
+    assert started[0].wait(30) or started[1].wait(30)
+    time.sleep(0.3)
+    assert sum(e.is_set() for e in started) == 1  # the second build waits: one process stays the present's
+    present = threading.Event()
+    threading.Thread(target=present_step).start()
+    assert present.wait(30)  # at once, beside the running build
+    done.set()
+    for thread in builds:
+        thread.join(30)
+    assert all(e.is_set() for e in started) and recipe.FREE == {"slots": 2, "ahead": 1, "waiting": 0}
 
 
 def test_a_chunk_built_ahead_after_the_present_ones_kind_starts_once_the_present_training_is_asked_for(monkeypatch):
     """Else it would take the process that the present chunk's data frees before the present's heads ask for it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    monkeypatch.setattr(recipe, "FREE", {"slots": 2, "waiting": 0, "submitted": -1})
+    monkeypatch.setattr(recipe, "FREE", {"slots": 2, "ahead": 1, "waiting": 0, "submitted": -1})
     built = []
     monkeypatch.setattr(recipe, "build_chunk", lambda args, cfg, chunk, seconds, records: built.append(chunk))
     monkeypatch.setattr(recipe, "chunk_records", lambda state, cfg, chunk: 0)
@@ -300,7 +332,8 @@ def test_a_chunk_built_ahead_after_the_present_ones_kind_starts_once_the_present
         ran = recipe.present_steps(pool, 0, {"griffin": (lambda: "trained",)})
         ahead[2][0].result(30)
         assert sorted(built) == [0, 1, 2, 3] and ran["griffin"].result(30) == "trained"
-    assert recipe.FREE == {"slots": 2, "waiting": 0, "submitted": 0}  # a step that started no process is not waiting
+    assert recipe.FREE == {"slots": 2, "ahead": 1, "waiting": 0, "submitted": 0}  # a step that started no process
+    # is not waiting
 
 
 def test_a_failing_chunk_ends_the_steps_beside_it_and_starts_no_more(tmp_path, monkeypatch):

@@ -64,8 +64,8 @@ kind of answer). Each chunk's own held-out 5 % is reported too, but changes with
 else in fp32, ``--precision``): the rates of each step are in ``benchmarks/results/pipeline-throughput*.md``; the
 seconds each chunk's steps took are in ``recipe.json`` (``timings``) and its ``README.md``, written as the run goes.
 With ``--jobs`` 2 or more, steps overlap (the data of the next ``--ahead`` chunks beside this chunk's training, heads
-beside each other; a step of the chunk being trained on takes a free process first, so building ahead only fills what
-training leaves idle): each step's seconds are still its own wall time, so a chunk's row no longer adds up to the time
+beside each other; a step of the chunk being trained on takes a free process first, and building ahead never holds
+the last one, so it only fills what training leaves idle): each step's seconds are still its own wall time, so a chunk's row no longer adds up to the time
 it took.
 """
 
@@ -261,30 +261,35 @@ def load_state(path: Path, cfg: dict) -> dict:
 RUNNING: set[subprocess.Popen] = set()  # the steps' processes now running (up to --jobs)
 STOPPING = threading.Event()  # set when the run fails or is interrupted: no step starts after it
 PROCESSES = threading.Lock()  # guards RUNNING and the check of STOPPING before a step starts
-SLOTS = threading.Condition()  # guards FREE: processes that may start (--jobs), steps of the present waiting for one,
-FREE = {"slots": 1, "waiting": 0, "submitted": -1}  # and the last chunk whose training steps were submitted
+SLOTS = threading.Condition()  # guards FREE: processes that may start (--jobs), those of them that steps of chunks
+# built ahead may still take (--jobs - 1: one is always the present chunk's), steps of the present waiting for one, and
+FREE = {"slots": 1, "ahead": 0, "waiting": 0, "submitted": -1}  # the last chunk whose training steps were submitted
 AHEAD = threading.local()  # .active: this thread builds a chunk ahead; .announced: its step is counted as waiting
 
 
 @contextmanager
 def slot():
     """One of the --jobs processes, held while a step runs: a step of a chunk built ahead takes one only while no
-    other step waits for one, so that building ahead never delays the chunk being trained on."""
+    other step waits for one, and never the last one, so that building ahead never delays the chunk being trained on
+    (whose steps come one after another: an export, the next head's training)."""
     ahead, announced = getattr(AHEAD, "active", False), getattr(AHEAD, "announced", False)
     AHEAD.announced = False
     with SLOTS:
         FREE["waiting"] += not ahead and not announced
         try:
-            SLOTS.wait_for(lambda: STOPPING.is_set() or FREE["slots"] > 0 and (not ahead or not FREE["waiting"]))
+            SLOTS.wait_for(lambda: STOPPING.is_set() or FREE["slots"] > 0 and (
+                not ahead or FREE["ahead"] > 0 and not FREE["waiting"]))
         finally:
             FREE["waiting"] -= not ahead
         FREE["slots"] -= 1
+        FREE["ahead"] -= ahead
         SLOTS.notify_all()  # a step built ahead may take the slots left once nothing else waits
     try:
         yield
     finally:
         with SLOTS:
             FREE["slots"] += 1
+            FREE["ahead"] += ahead
             SLOTS.notify_all()
 
 
@@ -831,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, work: Path) -> int:
     STOPPING.clear()  # a run in this process after a stopped one
-    FREE.update(slots=args.jobs, waiting=0, submitted=-1)
+    FREE.update(slots=args.jobs, ahead=args.jobs - 1, waiting=0, submitted=-1)
     args.dtype = resolve_precision(args.precision)
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)  # for every step's process
     work.mkdir(parents=True, exist_ok=True)
