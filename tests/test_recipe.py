@@ -257,11 +257,11 @@ def test_a_recipe_commit_amends_its_own_previous_one_on_a_work_branch_never_on_m
 
 
 def test_a_step_of_a_chunk_built_ahead_waits_while_a_step_of_the_present_chunk_waits(monkeypatch):
-    monkeypatch.setattr(recipe, "FREE", {"slots": 1, "ahead": 1, "waiting": 1})  # a free process; a present step waits
+    monkeypatch.setattr(recipe, "FREE", {"slots": 1, "ahead": 1, "waiting": 1, "queued": []})  # a present step waits
     ran = threading.Event()
 
     def step_built_ahead() -> None:
-        recipe.AHEAD.active = True
+        recipe.AHEAD.chunk = 1
         with recipe.slot():
             ran.set()
 
@@ -273,21 +273,21 @@ def test_a_step_of_a_chunk_built_ahead_waits_while_a_step_of_the_present_chunk_w
         recipe.SLOTS.notify_all()
     assert ran.wait(30)
     thread.join(30)
-    assert recipe.FREE == {"slots": 1, "ahead": 1, "waiting": 0}
-    recipe.AHEAD.active = False
+    assert recipe.FREE == {"slots": 1, "ahead": 1, "waiting": 0, "queued": []}
+    recipe.AHEAD.chunk = None
     with recipe.slot():  # a step of the present takes a free process at once
-        assert recipe.FREE == {"slots": 0, "ahead": 1, "waiting": 0}
+        assert recipe.FREE == {"slots": 0, "ahead": 1, "waiting": 0, "queued": []}
 
 
 def test_builds_ahead_never_hold_the_last_process(monkeypatch):
     """The present chunk's steps come one after another (an export, then the next head): between two of them no step
     of the present waits, and builds ahead must not take every process in that moment."""
-    monkeypatch.setattr(recipe, "FREE", {"slots": 2, "ahead": 1, "waiting": 0})  # --jobs 2
+    monkeypatch.setattr(recipe, "FREE", {"slots": 2, "ahead": 1, "waiting": 0, "queued": []})  # --jobs 2
     started = [threading.Event(), threading.Event()]
     done = threading.Event()
 
     def step_built_ahead(i: int) -> None:
-        recipe.AHEAD.active = True
+        recipe.AHEAD.chunk = i + 1
         with recipe.slot():
             started[i].set()
             done.wait(30)
@@ -308,14 +308,41 @@ def test_builds_ahead_never_hold_the_last_process(monkeypatch):
     done.set()
     for thread in builds:
         thread.join(30)
-    assert all(e.is_set() for e in started) and recipe.FREE == {"slots": 2, "ahead": 1, "waiting": 0}
+    assert all(e.is_set() for e in started) and recipe.FREE == {"slots": 2, "ahead": 1, "waiting": 0, "queued": []}
+
+
+def test_the_nearest_chunk_built_ahead_takes_a_free_process_first(monkeypatch):
+    monkeypatch.setattr(recipe, "FREE", {"slots": 0, "ahead": 1, "waiting": 0, "queued": []})  # its process is busy
+    order = []
+
+    def step_built_ahead(chunk: int) -> None:
+        recipe.AHEAD.chunk = chunk
+        with recipe.slot():
+            order.append(chunk)
+
+    recipe.FREE.update(slots=1, queued=[26, 25])  # a process is free, and steps of chunks 26 and 25 wait for it
+    assert recipe.may_take(25) and not recipe.may_take(26)
+    recipe.FREE.update(slots=0, queued=[])
+    threads = []
+    for chunk in (26, 25):  # the later chunk asks first
+        threads.append(threading.Thread(target=step_built_ahead, args=(chunk,)))
+        threads[-1].start()
+        deadline = time.time() + 30
+        while chunk not in recipe.FREE["queued"] and time.time() < deadline:
+            time.sleep(0.01)
+    with recipe.SLOTS:
+        recipe.FREE["slots"] = 1  # the process comes free
+        recipe.SLOTS.notify_all()
+    for thread in threads:
+        thread.join(30)
+    assert order == [25, 26] and recipe.FREE == {"slots": 1, "ahead": 1, "waiting": 0, "queued": []}
 
 
 def test_a_chunk_built_ahead_after_the_present_ones_kind_starts_once_the_present_training_is_asked_for(monkeypatch):
     """Else it would take the process that the present chunk's data frees before the present's heads ask for it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    monkeypatch.setattr(recipe, "FREE", {"slots": 2, "ahead": 1, "waiting": 0, "submitted": -1})
+    monkeypatch.setattr(recipe, "FREE", {"slots": 2, "ahead": 1, "waiting": 0, "queued": [], "submitted": -1})
     built = []
     monkeypatch.setattr(recipe, "build_chunk", lambda args, cfg, chunk, seconds, records: built.append(chunk))
     monkeypatch.setattr(recipe, "chunk_records", lambda state, cfg, chunk: 0)
@@ -332,7 +359,7 @@ def test_a_chunk_built_ahead_after_the_present_ones_kind_starts_once_the_present
         ran = recipe.present_steps(pool, 0, {"griffin": (lambda: "trained",)})
         ahead[2][0].result(30)
         assert sorted(built) == [0, 1, 2, 3] and ran["griffin"].result(30) == "trained"
-    assert recipe.FREE == {"slots": 2, "ahead": 1, "waiting": 0, "submitted": 0}  # a step that started no process
+    assert recipe.FREE == {"slots": 2, "ahead": 1, "waiting": 0, "queued": [], "submitted": 0}  # a step that started no process
     # is not waiting
 
 

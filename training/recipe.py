@@ -64,8 +64,8 @@ kind of answer). Each chunk's own held-out 5 % is reported too, but changes with
 else in fp32, ``--precision``): the rates of each step are in ``benchmarks/results/pipeline-throughput*.md``; the
 seconds each chunk's steps took are in ``recipe.json`` (``timings``) and its ``README.md``, written as the run goes.
 With ``--jobs`` 2 or more, steps overlap (the data of the next ``--ahead`` chunks beside this chunk's training, heads
-beside each other; a step of the chunk being trained on takes a free process first, and building ahead never holds
-the last one, so it only fills what training leaves idle): each step's seconds are still its own wall time, so a chunk's row no longer adds up to the time
+beside each other; a step of the chunk being trained on takes a free process first, building ahead never holds the
+last one and builds the nearest chunk first, so it only fills what training leaves idle): each step's seconds are still its own wall time, so a chunk's row no longer adds up to the time
 it took.
 """
 
@@ -261,26 +261,42 @@ def load_state(path: Path, cfg: dict) -> dict:
 RUNNING: set[subprocess.Popen] = set()  # the steps' processes now running (up to --jobs)
 STOPPING = threading.Event()  # set when the run fails or is interrupted: no step starts after it
 PROCESSES = threading.Lock()  # guards RUNNING and the check of STOPPING before a step starts
-SLOTS = threading.Condition()  # guards FREE: processes that may start (--jobs), those of them that steps of chunks
-# built ahead may still take (--jobs - 1: one is always the present chunk's), steps of the present waiting for one, and
-FREE = {"slots": 1, "ahead": 0, "waiting": 0, "submitted": -1}  # the last chunk whose training steps were submitted
-AHEAD = threading.local()  # .active: this thread builds a chunk ahead; .announced: its step is counted as waiting
+SLOTS = threading.Condition()  # guards FREE
+FREE = {
+    "slots": 1,  # processes that may start now (--jobs in all)
+    "ahead": 0,  # how many more of them steps of chunks built ahead may hold (--jobs - 1: one stays the present's)
+    "waiting": 0,  # steps of the present chunk waiting for a process
+    "queued": [],  # the chunks of the steps built ahead that wait for a process (the nearest goes first)
+    "submitted": -1,  # the last chunk whose training steps were submitted
+}
+AHEAD = threading.local()  # .chunk: the chunk this thread builds ahead, if any; .announced: its step is counted waiting
+
+
+def may_take(chunk: int | None) -> bool:
+    """Under SLOTS: whether a step of ``chunk`` built ahead (None: a step of the present chunk) may take a process."""
+    return FREE["slots"] > 0 and (chunk is None or FREE["ahead"] > 0 and not FREE["waiting"]
+                                  and chunk == min(FREE["queued"]))
 
 
 @contextmanager
 def slot():
     """One of the --jobs processes, held while a step runs: a step of a chunk built ahead takes one only while no
-    other step waits for one, and never the last one, so that building ahead never delays the chunk being trained on
-    (whose steps come one after another: an export, the next head's training)."""
-    ahead, announced = getattr(AHEAD, "active", False), getattr(AHEAD, "announced", False)
+    other step waits for one, never the last one, and before the steps of later chunks built ahead, so that building
+    ahead never delays the chunk being trained on (whose steps come one after another: an export, the next head's
+    training) and builds the next chunk first."""
+    chunk, announced = getattr(AHEAD, "chunk", None), getattr(AHEAD, "announced", False)
+    ahead = chunk is not None
     AHEAD.announced = False
     with SLOTS:
         FREE["waiting"] += not ahead and not announced
+        if ahead:
+            FREE["queued"].append(chunk)
         try:
-            SLOTS.wait_for(lambda: STOPPING.is_set() or FREE["slots"] > 0 and (
-                not ahead or FREE["ahead"] > 0 and not FREE["waiting"]))
+            SLOTS.wait_for(lambda: STOPPING.is_set() or may_take(chunk))
         finally:
             FREE["waiting"] -= not ahead
+            if ahead:
+                FREE["queued"].remove(chunk)
         FREE["slots"] -= 1
         FREE["ahead"] -= ahead
         SLOTS.notify_all()  # a step built ahead may take the slots left once nothing else waits
@@ -777,11 +793,11 @@ def submit_build(args, cfg: dict, state: dict, pool: ThreadPoolExecutor, ahead: 
             future.result()
         with SLOTS:
             SLOTS.wait_for(lambda: STOPPING.is_set() or FREE["submitted"] >= gate)
-        AHEAD.active = chunk != present
+        AHEAD.chunk = chunk if chunk != present else None
         try:
             return build_chunk(args, cfg, chunk, seconds, records)
         finally:
-            AHEAD.active = False
+            AHEAD.chunk = None
 
     ahead[chunk] = (pool.submit(build), seconds)
 
@@ -836,7 +852,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, work: Path) -> int:
     STOPPING.clear()  # a run in this process after a stopped one
-    FREE.update(slots=args.jobs, ahead=args.jobs - 1, waiting=0, submitted=-1)
+    FREE.update(slots=args.jobs, ahead=args.jobs - 1, waiting=0, queued=[], submitted=-1)
     args.dtype = resolve_precision(args.precision)
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)  # for every step's process
     work.mkdir(parents=True, exist_ok=True)
