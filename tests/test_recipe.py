@@ -452,3 +452,8 @@ def test_the_next_chunk_is_built_ahead_only_for_a_head_that_will_train_on_it():
     # eagle-s1 training on chunk 1 makes its forks (HASS, EAGLE-2, w/o TAD) due on chunk 2
     assert recipe.next_chunk(Namespace(heads=[]), cfg, state, 1, [eagle_s1], 4) == 2
     assert recipe.next_chunk(Namespace(heads=[]), cfg, state, 3, [], 4) is None  # the last chunk of the run
+    assert recipe.chunks_ahead(Namespace(heads=[], ahead=2), cfg, state, 1, [eagle_s1], 4) == [2, 3]
+    ahead = recipe.parse_args(["--ahead", "0"]).ahead  # every process to the present chunk's heads
+    assert recipe.chunks_ahead(Namespace(heads=[], ahead=ahead), cfg, state, 1, [eagle_s1], 4) == []
+    code, err = run_main("training.recipe", "--ahead", "-1")
+    assert code == 2 and "--ahead and --regen-records at least 0" in err

@@ -164,7 +164,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "heads of a chunk train side by side as processes are free; training steps go first")
     p.add_argument("--ahead", type=int, default=3,
                    help="with --jobs 2 or more: chunks whose data is built ahead of the training (each built once "
-                        "a process is free and no training step waits for one)")
+                        "a process is free and no training step waits for one); 0: none, every process goes to the "
+                        "present chunk's heads (to finish a chunk sooner, e.g. before the machine goes)")
     p.add_argument("--commit", action="store_true", help="git-commit the exported heads and recipe.json")
     p.add_argument("--commit-every", type=int, default=3600, help="seconds between commits (stage ends always)")
     p.add_argument("--plan", action="store_true", help="print the state and the next steps, run nothing")
@@ -179,8 +180,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.heads = [h for h in args.heads.split(",") if h] if args.heads else []
     if any(h not in names for h in args.heads):
         p.error(f"--heads must name some of {', '.join(sorted(names))}")
-    if min(args.chunk_shards, args.shard_records, args.jobs, args.threads, args.ahead) < 1 or args.regen_records < 0:
-        p.error("--chunk-shards, --shard-records, --jobs, --threads and --ahead must be at least 1 and "
+    if min(args.chunk_shards, args.shard_records, args.jobs, args.threads) < 1 or min(args.ahead,
+                                                                                     args.regen_records) < 0:
+        p.error("--chunk-shards, --shard-records, --jobs and --threads must be at least 1, --ahead and "
                 "--regen-records at least 0")
     return args
 
