@@ -11,6 +11,8 @@ import shutil
 import signal
 import threading
 import time
+from argparse import Namespace
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,6 +48,14 @@ def test_regenerate_answers_only_the_parts_asked_for(tmp_path, tiny_target_dir, 
     lines = [json.loads(x) for x in (out / "part-00001.jsonl").read_text().splitlines()]
     assert [r["id"] for r in lines] == ["2", "3"] and [t["from"] for t in lines[0]["conversations"]] == ["human", "gpt"]
     assert "generation throughput" in caplog.text
+
+
+@pytest.fixture(autouse=True)
+def not_stopping():
+    """A test whose run stops (``stop_steps``) leaves STOPPING set until the next ``run``: the scheduler's own tests
+    must not find it set."""
+    yield
+    recipe.STOPPING.clear()
 
 
 def tiny_recipe(tmp_path, target_dir, *argv: str) -> tuple:
@@ -214,8 +224,6 @@ def test_committed_answers_spare_a_fresh_machine_their_regeneration_and_go_once_
 
 def test_a_recipe_commit_amends_its_own_previous_one_on_a_work_branch_never_on_main(tmp_path, monkeypatch):
     import subprocess
-    from argparse import Namespace
-
     def git(*argv: str) -> str:
         return subprocess.run(["git", *argv], check=True, capture_output=True, text=True).stdout
 
@@ -254,6 +262,65 @@ def test_a_recipe_commit_amends_its_own_previous_one_on_a_work_branch_never_on_m
     git("branch", "kept")  # another ref holds the run's commit: the next one is new
     chunk(5)
     assert len(git("log", "--format=%s").splitlines()) == 5
+    t0 = time.time()
+    recipe.commit(args, "nothing new")  # nothing changed: no commit, and no retries
+    assert len(git("log", "--format=%s").splitlines()) == 5 and time.time() - t0 < 5
+
+
+def test_finished_regeneration_parts_are_committed_and_spare_a_fresh_machine_their_answers(tmp_path, monkeypatch):
+    ckpt, work = tmp_path / "ckpt", tmp_path / "work"
+    args = Namespace(checkpoints=str(ckpt), work=str(work), dtype="fp32", regen_batch=2)
+    cfg = {"chunk_shards": 2, "chunks": 4, "stage_ends": [4, 4, 4], "shard_records": 4, "target": "t", "data": "d",
+           "regen_new_tokens": 4}  # chunk 1: the answers to group 0 (parts 0-1); chunk 3: group 1 (parts 2-3)
+    state = {"heads": {"griffin-s1": {"chunks": [0, 1]}, "eagle-s1": {"chunks": [0]}}}
+    (work / "regen").mkdir(parents=True)
+    for part in (0, 2):  # a part of chunk 1, which eagle-s1 has yet to train on, and a part of chunk 3
+        (work / "regen" / f"part-{part:05d}.jsonl").write_text(f"answers {part}\n")
+    recipe.keep_parts(args, cfg, state)
+    assert sorted(p.name for p in (ckpt / recipe.ANSWERS).iterdir()) == ["part-00000.jsonl", "part-00002.jsonl"]
+    shutil.rmtree(work)  # a fresh machine
+    asked = []
+
+    def regenerate(module: str, *argv: str) -> float:  # answers the parts still missing
+        out, parts = Path(argv[argv.index("--out") + 1]), argv[argv.index("--parts") + 1]
+        asked.append(sorted(p.name for p in out.glob("part-*.jsonl")))
+        for part in range(*map(int, parts.split(":"))):
+            if not (out / f"part-{part:05d}.jsonl").is_file():
+                (out / f"part-{part:05d}.jsonl").write_text(f"answers {part}\n")
+        return 1.0
+
+    monkeypatch.setattr(recipe, "python", regenerate)
+    merged = recipe.regenerated(args, cfg, 3, range(2, 4), 8)
+    assert asked == [["part-00002.jsonl"]]  # the committed part was there before the regeneration began
+    assert merged.read_text() == "answers 2\nanswers 3\n" == recipe.answers_file(args, 3).read_text()
+    assert not recipe.answers_part(args, 2).exists()  # the merged answers stand for it
+    recipe.keep_parts(args, cfg, state)  # chunk 3's answers are committed merged: its parts are not kept again
+    assert sorted(p.name for p in (ckpt / recipe.ANSWERS).iterdir()) == ["chunk-003.jsonl", "part-00000.jsonl"]
+    state["heads"]["eagle-s1"]["chunks"] = [0, 1]  # every head has trained on chunk 1: its parts are not kept
+    recipe.answers_part(args, 0).unlink()
+    (work / "regen" / "part-00000.jsonl").write_text("answers 0\n")
+    recipe.keep_parts(args, cfg, state)
+    assert not recipe.answers_part(args, 0).exists()
+
+
+def test_a_stopped_run_commits_what_it_had_finished(tmp_path, monkeypatch):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in conversations(4, words=10)))
+    ckpt, work = tmp_path / "ckpt", tmp_path / "work"
+    (work / "regen").mkdir(parents=True)
+    (work / "regen" / "part-00000.jsonl").write_text("answers\n")  # a finished part of chunk 1
+    commits = []
+    monkeypatch.setattr(recipe, "commit", lambda args, message: commits.append(message))
+
+    def stopped(*arguments):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(recipe, "run_chunk", stopped)
+    code, err = run_main("training.recipe", "--data", str(data), "--checkpoints", str(ckpt), "--work", str(work),
+                         "--shard-records", "2", "--commit")
+    assert code == 130 and "interrupted" in err
+    assert commits == ["what a stopped run had finished"]
+    assert recipe.answers_part(Namespace(checkpoints=str(ckpt)), 0).read_text() == "answers\n"
 
 
 def test_a_step_of_a_chunk_built_ahead_waits_while_a_step_of_the_present_chunk_waits(monkeypatch):
@@ -442,8 +509,6 @@ def test_auto_precision_is_bf16_only_where_the_hardware_computes_it(monkeypatch,
 
 
 def test_the_next_chunk_is_built_ahead_only_for_a_head_that_will_train_on_it():
-    from argparse import Namespace
-
     cfg = {"stage_ends": [2, 3, 4]}  # chunks 0-1 stage 1, chunk 2 stage 2, chunk 3 stage 3
     state = {"heads": {"griffin-s1": {"chunks": [0]}, "eagle-s1": {"chunks": [0]}}}
     eagle_s1 = next(h for h in recipe.STAGE1 if h.name == "eagle-s1")

@@ -49,7 +49,8 @@ that no other ref holds (never on main). Run ``--commit`` in
 a work branch (``git worktree add -b scale ...``), bring it into main with ``git merge --squash scale``, then delete
 the branch (or reset it to main), so that a session submits each head once however many chunks it trained. The
 target's answers of a chunk are committed too (``regen-answers/``, 1.1 MB for chunk 21) until every head has trained
-on it, so that a fresh machine does not regenerate them. A rerun on any machine reads ``recipe.json``: each head
+on it, and so are the finished parts (256 first turns each) of a chunk still being answered, so that a fresh machine
+does not regenerate them. A run stopped by Ctrl-C or ``kill`` commits what it had finished before it exits. A rerun on any machine reads ``recipe.json``: each head
 continues from its committed head (``--init-from``) with the next chunk it has not consumed; features are built only
 for those chunks. Work inside a chunk (regeneration parts, feature shards, training state every 50 updates) resumes on
 the same machine.
@@ -404,6 +405,24 @@ def answers_file(args, chunk: int) -> Path:
     return Path(args.checkpoints) / ANSWERS / f"chunk-{chunk:03d}.jsonl"
 
 
+def answers_part(args, part: int) -> Path:
+    """The committed copy of a finished regeneration part of a chunk whose answers are not merged yet
+    (``keep_parts``), so that a fresh machine answers only the parts still missing (256 first turns: about 9 minutes
+    here)."""
+    return Path(args.checkpoints) / ANSWERS / f"part-{part:05d}.jsonl"
+
+
+def keep_parts(args, cfg: dict, state: dict) -> None:
+    """Before a commit: copy into --checkpoints the finished regeneration parts of this machine whose chunk some head
+    has yet to train on and whose merged answers are not committed (``regenerated`` removes them once they are)."""
+    for path in sorted((Path(args.work) / "regen").glob("part-*.jsonl")):
+        part = int(path.stem.split("-")[1])
+        chunk = part // cfg["chunk_shards"] * 2 + 1  # the answers chunk of the part's group
+        due = chunk < cfg["chunks"] and any(chunks_done(state, h) <= chunk for h in heads_of(stage_of(cfg, chunk)))
+        if due and not answers_file(args, chunk).is_file() and not answers_part(args, part).is_file():
+            atomic_write_text(answers_part(args, part), path.read_text())
+
+
 def add_seconds(timing: dict, key: str, seconds: float, fresh: bool) -> None:
     """A step's seconds into its chunk's row: added to the row's (a step resumed by a later run on this machine), or
     in its place where the step started from nothing (the row's came from a machine whose work was lost)."""
@@ -422,6 +441,9 @@ def regenerated(args, cfg: dict, chunk: int, shards: range, records: int, timing
         out = Path(args.work) / "regen"
         files = [out / f"part-{i:05d}.jsonl" for i in range(shards.start, shards.start + parts)]
         fresh = not any(f.is_file() for f in files)
+        for i, f in enumerate(files, shards.start):  # parts another machine finished and committed
+            if not f.is_file() and answers_part(args, i).is_file():
+                atomic_write_text(f, answers_part(args, i).read_text())
         seconds = python("training.regenerate", "--target", cfg["target"], "--data", cfg["data"], "--out", str(out),
                          "--parts", f"{shards.start}:{shards.start + parts}", "--part-size", str(cfg["shard_records"]),
                          "--dtype", args.dtype, "--batch-size", str(args.regen_batch), "--max-new-tokens",
@@ -432,6 +454,8 @@ def regenerated(args, cfg: dict, chunk: int, shards: range, records: int, timing
         atomic_write_text(merged, text)
     if not committed.is_file():
         atomic_write_text(committed, merged.read_text())
+    for i in shards:  # the merged answers stand for their parts now
+        answers_part(args, i).unlink(missing_ok=True)
     return merged
 
 
@@ -662,8 +686,11 @@ def commit(args, message: str) -> None:
     folder = Path(args.checkpoints)
     for attempt in range(5):
         amend = ["--amend"] if amends() else []
-        done = git("add", "--", str(folder)).returncode == 0 and git(
-            "commit", "-q", *amend, "-m", COMMIT_PREFIX + message, "-m", TRAILER, "--", str(folder)).returncode == 0
+        if git("add", "--", str(folder)).returncode == 0 and git("diff", "--cached", "--quiet", "--",
+                                                               str(folder)).returncode == 0:
+            return  # nothing changed since the last commit
+        done = git("commit", "-q", *amend, "-m", COMMIT_PREFIX + message, "-m", TRAILER, "--",
+                   str(folder)).returncode == 0
         if done:
             log.info("committed %s%s: %s", folder, " (amending the run's previous commit)" if amend else "", message)
             return
@@ -881,6 +908,11 @@ def run(args: argparse.Namespace, work: Path) -> int:
                 last_commit = run_chunk(args, cfg, state, path, chunk, stop, pool, ahead, last_commit)
         except BaseException:
             stop_steps(pool)
+            if args.commit:  # what the run finished survives the machine: heads exported since the last commit,
+                collect_ahead(state, cfg, ahead)  # the seconds of builds done ahead, finished regeneration parts
+                save_state(path, cfg, state)
+                keep_parts(args, cfg, state)
+                commit(args, "what a stopped run had finished")
             raise
         if any(not future.done() for future, _ in ahead.values()):  # built for heads this run does not train
             stop_steps(pool)
@@ -933,6 +965,7 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
         save_state(path, cfg, state)
         stage_end = last and chunk + 1 in (cfg["stage_ends"][stage - 1], stop)
         if args.commit and (stage_end or time.time() - last_commit >= args.commit_every):
+            keep_parts(args, cfg, state)
             commit(args, f"{head.name} after chunk {chunk} (stage {stage}) of {cfg['chunks']}")
             last_commit = time.time()
     return last_commit
