@@ -271,11 +271,13 @@ def test_finished_regeneration_parts_are_committed_and_spare_a_fresh_machine_the
     ckpt, work = tmp_path / "ckpt", tmp_path / "work"
     args = Namespace(checkpoints=str(ckpt), work=str(work), dtype="fp32", regen_batch=2)
     cfg = {"chunk_shards": 2, "chunks": 4, "stage_ends": [4, 4, 4], "shard_records": 4, "target": "t", "data": "d",
-           "regen_new_tokens": 4}  # chunk 1: the answers to group 0 (parts 0-1); chunk 3: group 1 (parts 2-3)
+           "regen_new_tokens": 4, "regen_records": 8}  # chunk 1: the answers to group 0 (parts 0-1), chunk 3: group 1
     state = {"heads": {"griffin-s1": {"chunks": [0, 1]}, "eagle-s1": {"chunks": [0]}}}
     (work / "regen").mkdir(parents=True)
     for part in (0, 2):  # a part of chunk 1, which eagle-s1 has yet to train on, and a part of chunk 3
         (work / "regen" / f"part-{part:05d}.jsonl").write_text(f"answers {part}\n")
+    recipe.keep_parts(args, cfg | {"regen_records": 0}, state)  # a run without answers chunks keeps no parts
+    assert not (ckpt / recipe.ANSWERS).exists()
     recipe.keep_parts(args, cfg, state)
     assert sorted(p.name for p in (ckpt / recipe.ANSWERS).iterdir()) == ["part-00000.jsonl", "part-00002.jsonl"]
     shutil.rmtree(work)  # a fresh machine
@@ -426,8 +428,8 @@ def test_a_chunk_built_ahead_after_the_present_ones_kind_starts_once_the_present
         ran = recipe.present_steps(pool, 0, {"griffin": (lambda: "trained",)})
         ahead[2][0].result(30)
         assert sorted(built) == [0, 1, 2, 3] and ran["griffin"].result(30) == "trained"
-    assert recipe.FREE == {"slots": 2, "ahead": 1, "waiting": 0, "queued": [], "submitted": 0}  # a step that started no process
-    # is not waiting
+    # a step that started no process is not waiting
+    assert recipe.FREE == {"slots": 2, "ahead": 1, "waiting": 0, "queued": [], "submitted": 0}
 
 
 def test_a_failing_chunk_ends_the_steps_beside_it_and_starts_no_more(tmp_path, monkeypatch):

@@ -50,10 +50,10 @@ a work branch (``git worktree add -b scale ...``), bring it into main with ``git
 the branch (or reset it to main), so that a session submits each head once however many chunks it trained. The
 target's answers of a chunk are committed too (``regen-answers/``, 1.1 MB for chunk 21) until every head has trained
 on it, and so are the finished parts (256 first turns each) of a chunk still being answered, so that a fresh machine
-does not regenerate them. A run stopped by Ctrl-C or ``kill`` commits what it had finished before it exits. A rerun on any machine reads ``recipe.json``: each head
-continues from its committed head (``--init-from``) with the next chunk it has not consumed; features are built only
-for those chunks. Work inside a chunk (regeneration parts, feature shards, training state every 50 updates) resumes on
-the same machine.
+does not regenerate them. A run stopped by Ctrl-C or ``kill`` commits what it had finished before it exits. A rerun on
+any machine reads ``recipe.json``: each head continues from its committed head (``--init-from``) with the next chunk it
+has not consumed; features are built only for those chunks. Work inside a chunk (regeneration parts, feature shards,
+training state every 50 updates) resumes on the same machine.
 
 **Learning curve.** Every head is scored after every chunk (``training.evaluate``) on fixed validation sets: chunk 0's
 held-out ShareGPT conversations and chunk 1's held-out answers of the target, taken when the recipe first reaches
@@ -66,8 +66,8 @@ else in fp32, ``--precision``): the rates of each step are in ``benchmarks/resul
 seconds each chunk's steps took are in ``recipe.json`` (``timings``) and its ``README.md``, written as the run goes.
 With ``--jobs`` 2 or more, steps overlap (the data of the next ``--ahead`` chunks beside this chunk's training, heads
 beside each other; a step of the chunk being trained on takes a free process first, building ahead never holds the
-last one and builds the nearest chunk first, so it only fills what training leaves idle): each step's seconds are still its own wall time, so a chunk's row no longer adds up to the time
-it took.
+last one and builds the nearest chunk first, so it only fills what training leaves idle): each step's seconds are
+still its own wall time, so a chunk's row no longer adds up to the time it took.
 """
 
 from __future__ import annotations
@@ -415,6 +415,8 @@ def answers_part(args, part: int) -> Path:
 def keep_parts(args, cfg: dict, state: dict) -> None:
     """Before a commit: copy into --checkpoints the finished regeneration parts of this machine whose chunk some head
     has yet to train on and whose merged answers are not committed (``regenerated`` removes them once they are)."""
+    if not cfg["regen_records"]:  # a run without the target's answers has no answers chunks
+        return
     for path in sorted((Path(args.work) / "regen").glob("part-*.jsonl")):
         part = int(path.stem.split("-")[1])
         chunk = part // cfg["chunk_shards"] * 2 + 1  # the answers chunk of the part's group
