@@ -270,8 +270,8 @@ def test_a_recipe_commit_amends_its_own_previous_one_on_a_work_branch_never_on_m
 def test_finished_regeneration_parts_are_committed_and_spare_a_fresh_machine_their_answers(tmp_path, monkeypatch):
     ckpt, work = tmp_path / "ckpt", tmp_path / "work"
     args = Namespace(checkpoints=str(ckpt), work=str(work), dtype="fp32", regen_batch=2)
-    cfg = {"chunk_shards": 2, "chunks": 4, "stage_ends": [4, 4, 4], "shard_records": 4, "target": "t", "data": "d",
-           "regen_new_tokens": 4, "regen_records": 8}  # chunk 1: the answers to group 0 (parts 0-1), chunk 3: group 1
+    cfg = {"chunk_shards": 2, "shards": 4, "chunks": 4, "stage_ends": [4, 4, 4], "shard_records": 4, "target": "t",
+           "data": "d", "regen_new_tokens": 4, "regen_records": 8}  # chunk 1: group 0 (parts 0-1), 3: group 1
     state = {"heads": {"griffin-s1": {"chunks": [0, 1]}, "eagle-s1": {"chunks": [0]}}}
     (work / "regen").mkdir(parents=True)
     for part in (0, 2):  # a part of chunk 1, which eagle-s1 has yet to train on, and a part of chunk 3

@@ -415,14 +415,15 @@ def answers_part(args, part: int) -> Path:
 def keep_parts(args, cfg: dict, state: dict) -> None:
     """Before a commit: copy into --checkpoints the finished regeneration parts of this machine whose chunk some head
     has yet to train on and whose merged answers are not committed (``regenerated`` removes them once they are)."""
-    if not cfg["regen_records"]:  # a run without the target's answers has no answers chunks
-        return
-    for path in sorted((Path(args.work) / "regen").glob("part-*.jsonl")):
-        part = int(path.stem.split("-")[1])
-        chunk = part // cfg["chunk_shards"] * 2 + 1  # the answers chunk of the part's group
-        due = chunk < cfg["chunks"] and any(chunks_done(state, h) <= chunk for h in heads_of(stage_of(cfg, chunk)))
-        if due and not answers_file(args, chunk).is_file() and not answers_part(args, part).is_file():
-            atomic_write_text(answers_part(args, part), path.read_text())
+    for chunk in range(cfg["chunks"]):
+        kind, shards = chunk_source(cfg, chunk)
+        due = any(chunks_done(state, h) <= chunk for h in heads_of(stage_of(cfg, chunk)))
+        if kind != "regen" or not due or answers_file(args, chunk).is_file():
+            continue
+        for part in shards:
+            path = Path(args.work) / "regen" / f"part-{part:05d}.jsonl"
+            if path.is_file() and not answers_part(args, part).is_file():
+                atomic_write_text(answers_part(args, part), path.read_text())
 
 
 def add_seconds(timing: dict, key: str, seconds: float, fresh: bool) -> None:
