@@ -648,6 +648,25 @@ def head_names(paths: list[str]) -> dict[str, str]:
     return {(Path(p).name if names.count(Path(p).name) == 1 else p): p for p in paths}
 
 
+def paired_differences(result: dict) -> dict:
+    """{T: {head: row}} for every head after the first: the first head's per-prompt τ minus this head's on the same
+    prompts (mean and its standard error, which the pairing makes much smaller than either τ's), and the ratio of
+    their τ. Empty with fewer than two heads."""
+    names = list(result["heads"])
+    out: dict = {}
+    for t in result["n_prompts"] if len(names) > 1 else []:
+        base = {(p["question_id"], p["turn"]): p["tau"] for p in result["heads"][names[0]][t]["per_prompt"]}
+        out[t] = {}
+        for name in names[1:]:
+            run = result["heads"][name][t]
+            diffs = [base[k] - p["tau"] for p in run["per_prompt"] if (k := (p["question_id"], p["turn"])) in base]
+            out[t][name] = {"mean": statistics.fmean(diffs) if diffs else float("nan"),
+                            "se": statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan"),
+                            "n_prompts": len(diffs),
+                            "ratio": result["heads"][names[0]][t]["tau"] / run["tau"]}
+    return out
+
+
 def table(result: dict) -> str:
     temps = list(result["n_prompts"])
     depth = result["tree"]["depth"]
@@ -667,6 +686,14 @@ def table(result: dict) -> str:
             f"{tree['depth']}, top-k {tree['top_k']}; up to {result['max_new_tokens']} new tokens; target "
             f"{result['target']} ({result['dtype']}), draft dtype {result['draft_dtype']}; prompts {prompts}.\n\n"
             + markdown_table(headers, rows))
+    paired = paired_differences(result)
+    if paired:
+        first = next(iter(result["heads"]))
+        text += (f"\n## {first} against each other head\n\nPaired over the same prompts: mean of per-prompt "
+                 f"τ({first}) − τ(head) ± its standard error; ratio of the two τ.\n\n" + markdown_table(
+                     ["head", "T", "prompts", f"τ({first}) − τ(head)", f"τ({first}) / τ(head)"],
+                     [[name, t, r["n_prompts"], f"{r['mean']:+.3f} ± {r['se']:.3f}", f"{r['ratio']:.3f}"]
+                      for t, rows in paired.items() for name, r in rows.items()]))
     refs = [(name, t, runs[t]["reference"]) for name, runs in result["heads"].items() for t in temps
             if "reference" in runs[t]]
     if refs:
@@ -750,6 +777,7 @@ def main(argv: list[str] | None = None) -> int:
               "limits": {f"{t:g}": limit for t, limit, _ in runs}, "n_prompts": n_prompts, "head_paths": paths,
               "heads": results, "seconds": time.perf_counter() - start, "machine": machine_info(),
               "command": command_line("inference.tau", args.argv)}
+    result["paired"] = paired_differences(result)
     write_benchmark(out.parent, out.name, result, table(result))
     journal.finish()
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import statistics
 
 import pytest
 import torch
@@ -233,3 +234,19 @@ def test_cli_engine_check_resume_and_reference(tmp_path, tiny_target_dir, monkey
     (tmp_path / "speed.json").write_text(json.dumps(reference))
     code, err = run_main("inference.tau", *common, "--references", str(tmp_path / "speed.json"))
     assert code == 2 and "--total-tokens" in err
+
+
+def test_paired_differences_pair_prompts_by_question_and_turn():
+    def run(taus: dict) -> dict:  # τ = new tokens per cycle: 2 cycles a prompt
+        rows = [{"question_id": q, "turn": t, "new_tokens": 2 * v, "cycles": 2, "tau": v} for (q, t), v in taus.items()]
+        return {"tau": sum(taus.values()) / len(taus), "per_prompt": rows}
+
+    base = {(1, 0): 3.0, (1, 1): 2.0, (2, 0): 4.0}
+    other = {(2, 0): 3.5, (1, 1): 1.0, (1, 0): 2.0, (9, 0): 9.0}  # another order, and a prompt the first lacks
+    result = {"n_prompts": {"0": 3}, "heads": {"a": {"0": run(base)}, "b": {"0": run(other)}}}
+    row = tau.paired_differences(result)["0"]["b"]
+    diffs = [1.0, 1.0, 0.5]  # (1,0), (1,1), (2,0); (9,0) is not paired
+    assert row["n_prompts"] == 3 and row["mean"] == pytest.approx(2.5 / 3)
+    assert row["se"] == pytest.approx(statistics.stdev(diffs) / 3 ** 0.5)
+    assert row["ratio"] == pytest.approx(3.0 / (15.5 / 4))
+    assert tau.paired_differences({"n_prompts": {"0": 3}, "heads": {"a": {"0": run(base)}}}) == {}
