@@ -94,6 +94,7 @@ from griffin.io import atomic_write_json, atomic_write_text
 
 from .cli import run_cli
 from .data import DEFAULT_DATA, iter_records
+from .regenerate import part_file
 
 log = logging.getLogger("recipe")
 STATE = "recipe.json"
@@ -409,7 +410,7 @@ def answers_part(args, part: int) -> Path:
     """The committed copy of a finished regeneration part of a chunk whose answers are not merged yet
     (``keep_parts``), so that a fresh machine answers only the parts still missing (256 first turns: about 9 minutes
     here)."""
-    return Path(args.checkpoints) / ANSWERS / f"part-{part:05d}.jsonl"
+    return part_file(Path(args.checkpoints) / ANSWERS, part)
 
 
 def keep_parts(args, cfg: dict, state: dict) -> None:
@@ -417,11 +418,11 @@ def keep_parts(args, cfg: dict, state: dict) -> None:
     has yet to train on and whose merged answers are not committed (``regenerated`` removes them once they are)."""
     for chunk in range(cfg["chunks"]):
         kind, shards = chunk_source(cfg, chunk)
-        due = any(chunks_done(state, h) <= chunk for h in heads_of(stage_of(cfg, chunk)))
-        if kind != "regen" or not due or answers_file(args, chunk).is_file():
+        if kind != "regen" or answers_file(args, chunk).is_file() or all(
+                chunks_done(state, h) > chunk for h in heads_of(stage_of(cfg, chunk))):
             continue
         for part in shards:
-            path = Path(args.work) / "regen" / f"part-{part:05d}.jsonl"
+            path = part_file(Path(args.work) / "regen", part)
             if path.is_file() and not answers_part(args, part).is_file():
                 atomic_write_text(answers_part(args, part), path.read_text())
 
@@ -442,7 +443,7 @@ def regenerated(args, cfg: dict, chunk: int, shards: range, records: int, timing
     if not merged.is_file():
         parts = min(math.ceil(records / cfg["shard_records"]), len(shards))
         out = Path(args.work) / "regen"
-        files = [out / f"part-{i:05d}.jsonl" for i in range(shards.start, shards.start + parts)]
+        files = [part_file(out, i) for i in range(shards.start, shards.start + parts)]
         fresh = not any(f.is_file() for f in files)
         for i, f in enumerate(files, shards.start):  # parts another machine finished and committed
             if not f.is_file() and answers_part(args, i).is_file():
@@ -911,8 +912,10 @@ def run(args: argparse.Namespace, work: Path) -> int:
                 last_commit = run_chunk(args, cfg, state, path, chunk, stop, pool, ahead, last_commit)
         except BaseException:
             stop_steps(pool)
-            if args.commit:  # what the run finished survives the machine: heads exported since the last commit,
-                collect_ahead(state, cfg, ahead)  # the seconds of builds done ahead, finished regeneration parts
+            # what the run finished survives the machine: heads exported since the last commit, the seconds of
+            # builds done ahead, finished regeneration parts
+            if args.commit:
+                collect_ahead(state, cfg, ahead)
                 save_state(path, cfg, state)
                 keep_parts(args, cfg, state)
                 commit(args, "what a stopped run had finished")

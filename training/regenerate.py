@@ -37,6 +37,11 @@ log = logging.getLogger("regenerate")
 MERGED = "conversations.jsonl"
 
 
+def part_file(out: Path, part: int) -> Path:
+    """The file of one part (``--part-size`` records) of the answers under ``out``."""
+    return out / f"part-{part:05d}.jsonl"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m training.regenerate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -136,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     part = 0
     new_tokens, seconds, answered = 0, 0.0, 0
     while chunk := list(islice(records, args.part_size)):
-        path = out / f"part-{part:05d}.jsonl"
+        path = part_file(out, part)
         if part >= first and part % args.num_shards == args.shard_index and not path.is_file():
             prompts, ids = [], []
             for j, record in enumerate(chunk):
