@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from griffin.constants import EMBEDDED_TARGET
-from training.cli import add_tree_arguments, nonnegative_float, positive_int, probability, run_cli
+from training.cli import add_device_arguments, add_tree_arguments, nonnegative_float, positive_int, probability, run_cli
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,9 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save", default=None,
                    help="file the conversation is saved to after every reply (default: the --resume file, else "
                         "<griffin cache>/chats/chat-<date>-<time>.json)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
-                   help="target dtype (default: fp32 on CPU, bf16 on CUDA)")
+    add_device_arguments(p)
     add_tree_arguments(p)
     return p.parse_args(argv)
 

@@ -17,7 +17,7 @@ import sys
 import time
 
 from griffin.constants import EMBEDDED_TARGET
-from training.cli import add_tree_arguments, nonnegative_float, positive_int, run_cli
+from training.cli import add_device_arguments, add_tree_arguments, nonnegative_float, positive_int, run_cli
 
 PROMPTS = [
     "Write a short poem about the sea.",
@@ -34,9 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", action="append", help="a user message (repeatable; default: three examples)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0 = greedy")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
-                   help="target dtype (default: fp32 on CPU, bf16 on CUDA)")
+    add_device_arguments(p)
     add_tree_arguments(p)
     return p.parse_args(argv)
 

@@ -78,6 +78,13 @@ def add_tree_arguments(p: argparse.ArgumentParser, total_tokens: str | int | Non
                         "0, the default: none); an auto tree size is tuned with the chain")
 
 
+def add_device_arguments(p: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--dtype`` of the target for the commands a user generates with (demo, chat)."""
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="target dtype (default: fp32 on CPU, bf16 on CUDA)")
+
+
 def tree_size(text: str) -> str | int:
     return "auto" if text == "auto" else _number(int, lambda v: v >= 0, "'auto' or an integer >= 0")(text)
 
