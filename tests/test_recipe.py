@@ -44,9 +44,11 @@ def test_regenerate_answers_only_the_parts_asked_for(tmp_path, tiny_target_dir, 
     code, err = run_main("training.regenerate", "--target", str(tiny_target_dir), "--data", data, "--out", str(out),
                          "--parts", "1:2", "--part-size", "2", "--max-new-tokens", "4")
     assert code == 0, err
-    assert sorted(p.name for p in out.iterdir()) == ["part-00001.jsonl"]  # no merged file with --parts
+    assert sorted(p.name for p in out.iterdir()) == ["part-00001.json", "part-00001.jsonl"]  # no merged file
     lines = [json.loads(x) for x in (out / "part-00001.jsonl").read_text().splitlines()]
     assert [r["id"] for r in lines] == ["2", "3"] and [t["from"] for t in lines[0]["conversations"]] == ["human", "gpt"]
+    cost = json.loads((out / "part-00001.json").read_text())  # what the part cost, for the recipe's timings
+    assert cost["prompts"] == 2 and 2 <= cost["new_tokens"] <= 8 and cost["seconds"] >= 0
     assert "generation throughput" in caplog.text
 
 
@@ -207,6 +209,8 @@ def test_committed_answers_spare_a_fresh_machine_their_regeneration_and_go_once_
     assert [t.get("regen_records") for t in state["timings"]] == [None, 4]
     assert "| 1 | regen | 1 | 4 |" in (ckpt / "README.md").read_text()  # its conversations: the 4 answers
 
+    costs = [json.loads(c.read_text())["seconds"] for c in sorted((tmp_path / "work" / "regen").glob("*.json"))]
+    assert len(costs) == 1 and state["timings"][1]["regenerate_s"] == round(sum(costs))  # its parts' own seconds
     shutil.rmtree(tmp_path / "work")  # a fresh machine, and a run that answers more first turns per group
     shutil.rmtree(tmp_path / "sharegpt")
     calls.clear()
@@ -215,8 +219,8 @@ def test_committed_answers_spare_a_fresh_machine_their_regeneration_and_go_once_
     state = json.loads((ckpt / "recipe.json").read_text())
     assert state["heads"]["eagle-s1"]["chunks"] == [0, 1] and state["settings"]["regen_records"] == 8
     assert state["timings"][1]["regen_records"] == 4  # chunk 1 ends as it began
-    # each step took 1 s: the rebuilds here replace the lost machine's seconds (its answers were not redone)
-    assert [(t["features_s"], t.get("regenerate_s")) for t in state["timings"]] == [(1, None), (1, 1)]
+    # each build took 1 s: the rebuilds here replace the lost machine's seconds (its answers were not redone)
+    assert [(t["features_s"], t.get("regenerate_s")) for t in state["timings"]] == [(1, None), (1, round(sum(costs)))]
     assert not answers.exists()  # every head of the stage has trained on chunk 1
     code, err = run_main("training.recipe", *args, "--regen-records", "0")
     assert code == 2 and "with regenerated answers" in err and "--regen-records above 0" in err
@@ -276,10 +280,12 @@ def test_finished_regeneration_parts_are_committed_and_spare_a_fresh_machine_the
     (work / "regen").mkdir(parents=True)
     for part in (0, 2):  # a part of chunk 1, which eagle-s1 has yet to train on, and a part of chunk 3
         (work / "regen" / f"part-{part:05d}.jsonl").write_text(f"answers {part}\n")
+    (work / "regen" / "part-00002.json").write_text('{"seconds": 500.4}\n')  # what part 2 cost this machine
     recipe.keep_parts(args, cfg | {"regen_records": 0}, state)  # a run without answers chunks keeps no parts
     assert not (ckpt / recipe.ANSWERS).exists()
     recipe.keep_parts(args, cfg, state)
-    assert sorted(p.name for p in (ckpt / recipe.ANSWERS).iterdir()) == ["part-00000.jsonl", "part-00002.jsonl"]
+    assert sorted(p.name for p in (ckpt / recipe.ANSWERS).iterdir()) == ["part-00000.jsonl", "part-00002.json",
+                                                                         "part-00002.jsonl"]
     shutil.rmtree(work)  # a fresh machine
     asked = []
 
@@ -288,14 +294,18 @@ def test_finished_regeneration_parts_are_committed_and_spare_a_fresh_machine_the
         asked.append(sorted(p.name for p in out.glob("part-*.jsonl")))
         for part in range(*map(int, parts.split(":"))):
             if not (out / f"part-{part:05d}.jsonl").is_file():
+                (out / f"part-{part:05d}.json").write_text('{"seconds": 300.3}\n')
                 (out / f"part-{part:05d}.jsonl").write_text(f"answers {part}\n")
         return 1.0
 
     monkeypatch.setattr(recipe, "python", regenerate)
-    merged = recipe.regenerated(args, cfg, 3, range(2, 4), 8)
+    timing = {}
+    merged = recipe.regenerated(args, cfg, 3, range(2, 4), 8, timing)
     assert asked == [["part-00002.jsonl"]]  # the committed part was there before the regeneration began
     assert merged.read_text() == "answers 2\nanswers 3\n" == recipe.answers_file(args, 3).read_text()
+    assert timing == {"regenerate_s": 801}  # both parts' own seconds, not the 1 s of the run that ended the chunk
     assert not recipe.answers_part(args, 2).exists()  # the merged answers stand for it
+    assert not (ckpt / recipe.ANSWERS / "part-00002.json").exists()
     recipe.keep_parts(args, cfg, state)  # chunk 3's answers are committed merged: its parts are not kept again
     assert sorted(p.name for p in (ckpt / recipe.ANSWERS).iterdir()) == ["chunk-003.jsonl", "part-00000.jsonl"]
     state["heads"]["eagle-s1"]["chunks"] = [0, 1]  # every head has trained on chunk 1: its parts are not kept

@@ -94,7 +94,7 @@ from griffin.io import atomic_write_json, atomic_write_text
 
 from .cli import run_cli
 from .data import DEFAULT_DATA, iter_records
-from .regenerate import part_file
+from .regenerate import part_cost_file, part_file
 
 log = logging.getLogger("recipe")
 STATE = "recipe.json"
@@ -421,10 +421,12 @@ def keep_parts(args, cfg: dict, state: dict) -> None:
         if kind != "regen" or answers_file(args, chunk).is_file() or all(
                 chunks_done(state, h) > chunk for h in heads_of(stage_of(cfg, chunk))):
             continue
+        out, kept = Path(args.work) / "regen", Path(args.checkpoints) / ANSWERS
         for part in shards:
-            path = part_file(Path(args.work) / "regen", part)
-            if path.is_file() and not answers_part(args, part).is_file():
-                atomic_write_text(answers_part(args, part), path.read_text())
+            if part_file(out, part).is_file() and not part_file(kept, part).is_file():
+                for name in (part_cost_file, part_file):  # the part last: its file says the copy is complete
+                    if name(out, part).is_file():
+                        atomic_write_text(name(kept, part), name(out, part).read_text())
 
 
 def add_seconds(timing: dict, key: str, seconds: float, fresh: bool) -> None:
@@ -435,7 +437,8 @@ def add_seconds(timing: dict, key: str, seconds: float, fresh: bool) -> None:
 
 def regenerated(args, cfg: dict, chunk: int, shards: range, records: int, timing: dict | None = None) -> Path:
     """The target's answers to the first turns of the group's first ``records`` records, as one JSONL file (also
-    copied to ``answers_file``); the seconds of a regeneration run here go to ``timing["regenerate_s"]``."""
+    copied to ``answers_file``); ``timing["regenerate_s"]`` gets the sum of its parts' seconds (each part's cost
+    file, whichever run or machine answered it), or the seconds of the run here where a part has none."""
     merged, committed = regen_file(args, chunk), answers_file(args, chunk)
     if not merged.is_file() and committed.is_file():
         merged.parent.mkdir(parents=True, exist_ok=True)
@@ -445,21 +448,29 @@ def regenerated(args, cfg: dict, chunk: int, shards: range, records: int, timing
         out = Path(args.work) / "regen"
         files = [part_file(out, i) for i in range(shards.start, shards.start + parts)]
         fresh = not any(f.is_file() for f in files)
+        kept = Path(args.checkpoints) / ANSWERS
         for i, f in enumerate(files, shards.start):  # parts another machine finished and committed
-            if not f.is_file() and answers_part(args, i).is_file():
-                atomic_write_text(f, answers_part(args, i).read_text())
+            if not f.is_file() and part_file(kept, i).is_file():
+                for name in (part_cost_file, part_file):
+                    if name(kept, i).is_file():
+                        atomic_write_text(name(out, i), name(kept, i).read_text())
         seconds = python("training.regenerate", "--target", cfg["target"], "--data", cfg["data"], "--out", str(out),
                          "--parts", f"{shards.start}:{shards.start + parts}", "--part-size", str(cfg["shard_records"]),
                          "--dtype", args.dtype, "--batch-size", str(args.regen_batch), "--max-new-tokens",
                          str(cfg["regen_new_tokens"]))
         if timing is not None:
-            add_seconds(timing, "regenerate_s", seconds, fresh)
+            costs = [part_cost_file(out, i) for i in range(shards.start, shards.start + parts)]
+            if all(c.is_file() for c in costs):  # every part's own seconds, whichever run or machine answered it
+                timing["regenerate_s"] = round(sum(json.loads(c.read_text())["seconds"] for c in costs))
+            else:  # parts answered before their cost was recorded: this run's seconds
+                add_seconds(timing, "regenerate_s", seconds, fresh)
         text = "".join(f.read_text() for f in files)
         atomic_write_text(merged, text)
     if not committed.is_file():
         atomic_write_text(committed, merged.read_text())
     for i in shards:  # the merged answers stand for their parts now
         answers_part(args, i).unlink(missing_ok=True)
+        part_cost_file(Path(args.checkpoints) / ANSWERS, i).unlink(missing_ok=True)
     return merged
 
 

@@ -8,8 +8,9 @@ target (greedy by default) and writes ShareGPT-format JSON Lines that ``training
     python -m training.regenerate --out data/regen --parts 8:16 --dtype bf16     # only parts 8..15 (records 2048..)
     python -m training.regenerate --out data/regen --engine speculative          # our engine with the shipped head
 
-Work is written in parts of ``--part-size`` source records (part i answers records [i*S, (i+1)*S); each renamed into
-place when complete); a rerun resumes. The merged file is ``OUT/conversations.jsonl`` (not written with ``--parts``).
+Work is written in parts of ``--part-size`` source records (part i answers records [i*S, (i+1)*S); each renamed
+into place when complete, after ``part-XXXXX.json``, its seconds and tokens); a rerun resumes. The merged file
+is ``OUT/conversations.jsonl`` (not written with ``--parts``).
 ``--engine generate`` answers ``--batch-size`` prompts per transformers ``generate`` call (left-padded, optionally with
 a static KV cache); ``--engine speculative`` answers one prompt at a time with :class:`griffin.SpecGenerator` (greedy
 only: the same tokens as ``generate`` on one prompt). The log ends with the generation throughput in new tokens/s
@@ -40,6 +41,12 @@ MERGED = "conversations.jsonl"
 def part_file(out: Path, part: int) -> Path:
     """The file of one part (``--part-size`` records) of the answers under ``out``."""
     return out / f"part-{part:05d}.jsonl"
+
+
+def part_cost_file(out: Path, part: int) -> Path:
+    """What answering one part cost (``seconds`` of wall time, ``prompts``, ``new_tokens``), written just before the
+    part itself, so that the time of answers made by several runs or machines adds up exactly."""
+    return out / f"part-{part:05d}.json"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -143,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     while chunk := list(islice(records, args.part_size)):
         path = part_file(out, part)
         if part >= first and part % args.num_shards == args.shard_index and not path.is_file():
+            part_start, part_tokens = time.perf_counter(), new_tokens
             prompts, ids = [], []
             for j, record in enumerate(chunk):
                 try:
@@ -172,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                     lines[k] = json.dumps({"id": ids[k], "conversations": turns + [{"from": "gpt", "value": text}]})
                 bar.set_postfix(new_tokens=new_tokens, tok_s=f"{new_tokens / seconds:.0f}")
             body = "".join(lines[k] + "\n" for k in sorted(lines))
+            cost = {"seconds": round(time.perf_counter() - part_start, 1), "prompts": len(prompts),
+                    "new_tokens": new_tokens - part_tokens}
+            atomic_write_text(part_cost_file(out, part), json.dumps(cost) + "\n")
             atomic_write_text(path, body)
         bar.update(len(chunk))
         part += 1
