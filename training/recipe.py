@@ -424,9 +424,15 @@ def keep_parts(args, cfg: dict, state: dict) -> None:
         out, kept = Path(args.work) / "regen", Path(args.checkpoints) / ANSWERS
         for part in shards:
             if part_file(out, part).is_file() and not part_file(kept, part).is_file():
-                for name in (part_cost_file, part_file):  # the part last: its file says the copy is complete
-                    if name(out, part).is_file():
-                        atomic_write_text(name(kept, part), name(out, part).read_text())
+                copy_part(out, kept, part)
+
+
+def copy_part(src: Path, dst: Path, part: int) -> None:
+    """A finished answers part and its cost file (if any) from folder ``src`` to ``dst``, the part last: its file says
+    the copy is complete."""
+    for name in (part_cost_file, part_file):
+        if name(src, part).is_file():
+            atomic_write_text(name(dst, part), name(src, part).read_text())
 
 
 def add_seconds(timing: dict, key: str, seconds: float, fresh: bool) -> None:
@@ -451,9 +457,7 @@ def regenerated(args, cfg: dict, chunk: int, shards: range, records: int, timing
         kept = Path(args.checkpoints) / ANSWERS
         for i, f in enumerate(files, shards.start):  # parts another machine finished and committed
             if not f.is_file() and part_file(kept, i).is_file():
-                for name in (part_cost_file, part_file):
-                    if name(kept, i).is_file():
-                        atomic_write_text(name(out, i), name(kept, i).read_text())
+                copy_part(kept, out, i)
         seconds = python("training.regenerate", "--target", cfg["target"], "--data", cfg["data"], "--out", str(out),
                          "--parts", f"{shards.start}:{shards.start + parts}", "--part-size", str(cfg["shard_records"]),
                          "--dtype", args.dtype, "--batch-size", str(args.regen_batch), "--max-new-tokens",
