@@ -1,10 +1,15 @@
 """The GRIFFIN paper's ablation on our target: acceptance length of five heads trained on the same data and budget.
 
-    python -m inference.ablation --run          # speed runs (our generator only) for every head, then the report
+    python -m inference.ablation --run --replay  # offline replays (inference.tau) of every head, then the report
+    python -m inference.ablation --run          # speed runs of the real engine (our generator only), then the report
     python -m inference.ablation                # only rebuild the report from existing results
 
 Heads are ``checkpoints/<target>-<name>`` for the names below; every head uses the same tree and generation settings.
-The runs go to ``benchmarks/results/ablation/``; the report to ``benchmarks/results/ablation.md`` (table) and
+Two sources of τ, the same quantity (``benchmarks/results/tau-validation.md``): ``--replay`` replays every head's
+drafting against the target's stored continuations (:mod:`inference.tau`: one target forward per prompt for all five
+heads, minutes instead of hours), files ``tau-<bench>-T<temp>.json``; without it, speed runs of the generator, files
+``<bench>-<target>-<head>-T<temp>.json``. Either goes to ``benchmarks/results/ablation/``; the report to
+``benchmarks/results/ablation.md`` (table of τ, and GRIFFIN against each head paired over the same prompts) and
 ``ablation.png`` (plot).
 """
 
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -30,32 +36,54 @@ HEADS = {  # label -> checkpoint suffix; arch, K and top-k of each in the model 
     "EAGLE-2 (eagle, K=1)": "eagle2",
 }
 BASELINE = "EAGLE-2 (eagle, K=1)"
+OURS = "GRIFFIN"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m inference.ablation", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", action="store_true", help="run the missing speed runs first")
+    p.add_argument("--run", action="store_true", help="run the missing runs first")
+    p.add_argument("--replay", action="store_true",
+                   help="τ from offline replays (inference.tau) instead of speed runs, for --run and the report")
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--checkpoints", default="checkpoints")
     p.add_argument("--results", default="benchmarks/results/ablation",
-                   help="folder of the ablation's speed runs and report (apart from the headline runs, whose tree "
-                        "may be tuned per head)")
+                   help="folder of the runs")
     p.add_argument("--report", default="benchmarks/results/ablation.md", help="the table; the plot goes beside it")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--limit", type=int, default=None,
+                   help="only the first n questions of every run (default: all of MT-Bench at T=0, the first 20 "
+                        "questions of the other runs)")
     p.add_argument("--depth", type=int, default=5, help="one fixed tree for every head (not tuned per head)")
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--total-tokens", type=int, default=24)
     p.add_argument("--benches", default=",".join(BENCHES), help="benches to run (the report shows all it finds)")
     p.add_argument("--heads", default=",".join(HEADS.values()),
-                   help="checkpoint suffixes to run (split them over several processes to use more cores)")
+                   help="comma-separated checkpoint suffixes to run (the report shows all it finds)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of the replays")
     return p.parse_args(argv)
+
+
+def run_limit(args, bench: str, temperature: float) -> int | None:
+    if args.limit is not None:
+        return args.limit
+    return None if bench == "mt_bench" and temperature == 0 else 20
 
 
 def result_path(args, bench: str, suffix: str, temperature: float) -> Path:
     return Path(args.results) / f"{bench}-{args.target}-{suffix}-T{temperature:g}.json"
+
+
+def replay_path(args, bench: str, temperature: float) -> Path:
+    return Path(args.results) / f"tau-{bench}-T{temperature:g}.json"
+
+
+def tree_argv(args, bench: str, temperature: float) -> list[str]:
+    argv = ["--max-new-tokens", str(args.max_new_tokens), "--depth", str(args.depth), "--top-k", str(args.top_k),
+            "--total-tokens", str(args.total_tokens)]
+    limit = run_limit(args, bench, temperature)
+    return argv + (["--limit", str(limit)] if limit is not None else [])
 
 
 def run_missing(args, temperatures: list[float]) -> None:
@@ -67,37 +95,84 @@ def run_missing(args, temperatures: list[float]) -> None:
             for bench in args.benches.split(","):
                 if result_path(args, bench, suffix, temperature).is_file():
                     continue
-                argv = ["--bench", bench, "--draft", str(head), "--methods", "ours", "--temperature",
-                        str(temperature), "--max-new-tokens", str(args.max_new_tokens), "--out-dir", args.results]
-                for flag in ("limit", "depth", "top_k", "total_tokens"):
-                    if getattr(args, flag) is not None:
-                        argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-                speed.main(argv)
+                speed.main(["--bench", bench, "--draft", str(head), "--methods", "ours", "--temperature",
+                            str(temperature), "--out-dir", args.results, *tree_argv(args, bench, temperature)])
 
 
-def report(args, temperatures: list[float]) -> str:
-    columns = [(b, t) for t in temperatures for b in BENCHES]
-    taus: dict[str, dict] = {}
-    errors: dict[str, dict] = {}  # standard error of the mean per-prompt τ
-    prompts: dict[tuple, set] = {}
-    commands = set()
+def run_missing_replays(args, temperatures: list[float]) -> None:
+    """One replay per bench and temperature with every head at once (the target's forward is shared)."""
+    from . import tau
+
+    heads = [str(Path(args.checkpoints) / f"{args.target}-{suffix}") for suffix in args.heads.split(",")]
+    for temperature in temperatures:
+        for bench in args.benches.split(","):
+            path = replay_path(args, bench, temperature)
+            if path.is_file():
+                continue
+            tau.main(["--heads", *heads, "--bench", bench, "--temperatures", f"{temperature:g}",
+                      "--threads", str(args.threads), "--out", str(path.with_suffix("")),
+                      *tree_argv(args, bench, temperature)])
+
+
+def speed_runs(args, columns: list[tuple]) -> dict[str, dict[tuple, dict]]:
+    """{label: {(bench, T): run}}, each run with tau, per_prompt, n_prompts, command, tree and max_new_tokens."""
+    runs: dict[str, dict[tuple, dict]] = {}
     for label, suffix in HEADS.items():
         for bench, t in columns:
             path = result_path(args, bench, suffix, t)
             if path.is_file():
-                result = json.loads(path.read_text())
-                taus.setdefault(label, {})[(bench, t)] = result["tau"]
-                per_prompt = [p["tau"] for p in result.get("per_prompt", [])]
-                if len(per_prompt) > 1:
-                    errors.setdefault(label, {})[(bench, t)] = statistics.stdev(per_prompt) / len(per_prompt) ** 0.5
-                prompts.setdefault((bench, t), set()).add(result["n_prompts"])
-                commands.add(result["command"])
-                settings = (result["tree"], result["max_new_tokens"])
-    if not taus:
-        raise FileNotFoundError(f"no ablation results under {args.results}: run with --run first")
+                runs.setdefault(label, {})[(bench, t)] = json.loads(path.read_text())
+    return runs
+
+
+def replays(args, columns: list[tuple]) -> dict[str, dict[tuple, dict]]:
+    """The same as :func:`speed_runs`, read from the replay files (one per column, every head in it)."""
+    runs: dict[str, dict[tuple, dict]] = {}
+    for bench, t in columns:
+        path = replay_path(args, bench, t)
+        if not path.is_file():
+            continue
+        result = json.loads(path.read_text())
+        for label, suffix in HEADS.items():
+            run = result["heads"].get(f"{args.target}-{suffix}", {}).get(f"{t:g}")
+            if run is not None:
+                runs.setdefault(label, {})[(bench, t)] = {
+                    **run, "command": result["command"], "tree": result["tree"],
+                    "max_new_tokens": result["max_new_tokens"]}
+    return runs
+
+
+def standard_error(values: list[float]) -> float | None:
+    return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None
+
+
+def paired(ours: dict, other: dict) -> tuple[float, float | None, int] | None:
+    """Mean and standard error of per-prompt τ(ours) − τ(other) over the prompts both ran, and their number."""
+    mine = {(p["question_id"], p["turn"]): p["tau"] for p in ours.get("per_prompt", []) if "question_id" in p}
+    diffs = [mine[k] - p["tau"] for p in other.get("per_prompt", [])
+             if "question_id" in p and (k := (p["question_id"], p["turn"])) in mine]
+    return (statistics.fmean(diffs), standard_error(diffs), len(diffs)) if diffs else None
+
+
+def report(args, temperatures: list[float]) -> str:
+    columns = [(b, t) for t in temperatures for b in BENCHES]
+    runs = (replays if args.replay else speed_runs)(args, columns)
+    if not runs:
+        raise FileNotFoundError(f"no ablation results under {args.results}: run with --run first"
+                                + (" --replay" if args.replay else ""))
+    taus = {label: {c: run["tau"] for c, run in found.items()} for label, found in runs.items()}
+    errors = {label: {c: e for c, run in found.items()
+                      if (e := standard_error([p["tau"] for p in run.get("per_prompt", [])])) is not None}
+              for label, found in runs.items()}
+    prompts: dict[tuple, set] = {}
+    for found in runs.values():
+        for c, run in found.items():
+            prompts.setdefault(c, set()).add(run["n_prompts"])
+    commands = {run["command"] for found in runs.values() for run in found.values()}
+    settings = next((run["tree"], run["max_new_tokens"]) for found in runs.values() for run in found.values())
     columns = [c for c in columns if c in prompts]
-    headers = (["head"] + [f"{b} T={t:g} ({'/'.join(map(str, sorted(prompts[(b, t)])))})" for b, t in columns] +
-               ["mean", f"mean vs {BASELINE.split(' ')[0]}"])
+    names = [f"{b} T={t:g} ({'/'.join(map(str, sorted(prompts[(b, t)])))})" for b, t in columns]
+    headers = ["head"] + names + ["mean", f"mean vs {BASELINE.split(' ')[0]}"]
     base = taus.get(BASELINE, {})
     rows = []
     for label in HEADS:
@@ -109,16 +184,43 @@ def report(args, temperatures: list[float]) -> str:
         ratios = [v / base[c] for v, c in zip(values, columns) if v is not None and c in base]
         rows.append([label] + [cell(v, errors.get(label, {}).get(c)) for v, c in zip(values, columns)] + [mean] +
                     [f"{sum(ratios) / len(ratios):.3f}x" if ratios else "-"])
+    source = ("offline replays of each head's drafting against the target's stored continuations "
+              "(`inference.tau`, the engine's τ: `tau-validation.md`)" if args.replay else
+              "speed runs of the generator")
     text = ("# Ablation: acceptance length τ on SmolLM2-135M-Instruct\n\n"
-            f"τ = new tokens per target forward pass. Same features, data split and number of updates for every "
-            f"head; tree {settings[0]}, up to {settings[1]} new tokens, fp32 target. Column headers give the number "
-            "of prompts (MT-Bench: both turns of each question); ± is the standard error of the mean of per-prompt τ "
-            "(the spread over prompts; at T=0 all heads answer the same prompts, so a difference between heads is "
-            "less noisy than that).\n\n" + markdown_table(headers, rows) +
-            "\nProduced by `python -m inference.ablation`, from these speed runs:\n\n" +
-            "".join(f"- `{c}`\n" for c in sorted(commands)))
+            f"τ = new tokens per target forward pass, from {source}. Same features, data split and number of updates "
+            f"for every head; tree {settings[0]}, up to {settings[1]} new tokens, fp32 target. Column headers give "
+            "the number of prompts (MT-Bench: both turns of each question); ± is the standard error of the mean of "
+            "per-prompt τ (the spread over prompts; at T=0 all heads answer the same prompts, so a difference between "
+            "heads is less noisy than that: see the paired table).\n\n" + markdown_table(headers, rows))
+    text += paired_section(runs, columns, names)
+    text += (f"\nProduced by `python -m inference.ablation{' --replay' if args.replay else ''}`, from these runs:\n\n"
+             + "".join(f"- `{c}`\n" for c in sorted(commands)))
     plot(args, taus, errors, columns)
     return text
+
+
+def paired_section(runs: dict[str, dict[tuple, dict]], columns: list[tuple], names: list[str]) -> str:
+    """GRIFFIN minus each other head, per column, paired over the prompts both ran (empty without GRIFFIN)."""
+    ours = runs.get(OURS, {})
+    rows = []
+    for label, found in runs.items():
+        if label == OURS:
+            continue
+        row = [label]
+        for c in columns:
+            pair = paired(ours[c], found[c]) if c in ours and c in found else None
+            if pair is None:
+                row.append("-")
+                continue
+            mean, error, _ = pair
+            row.append(f"{mean:+.3f}" + (f" ± {error:.3f}" if error is not None else "") +
+                       f" ({ours[c]['tau'] / found[c]['tau']:.3f}x)")
+        rows.append(row)
+    if not rows or all(v == "-" for row in rows for v in row[1:]):
+        return ""
+    return (f"\n## {OURS} against each head, paired\n\nMean over the prompts both heads ran of τ({OURS}) − τ(head), ± "
+            f"its standard error, and the ratio of the two τ.\n\n" + markdown_table(["head"] + names, rows))
 
 
 def cell(tau: float | None, error: float | None) -> str | float:
@@ -158,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     temperatures = [float(t) for t in args.temperatures.split(",")]
     if args.run:
-        run_missing(args, temperatures)
+        (run_missing_replays if args.replay else run_missing)(args, temperatures)
     text = report(args, temperatures)
     atomic_write_text(Path(args.report), text)
     print(text)

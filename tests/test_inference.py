@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,6 +217,41 @@ def test_ablation_report_and_readme_section(tmp_path):
     assert result_stem("gsm8k", "h", 0.0, "fp32") == "gsm8k-h-T0" and result_stem("gsm8k", "h", 1.0, "bf16") == \
         "gsm8k-h-T1-bf16"
     assert "ablation.md)" in text and "| GRIFFIN | 3.00 ± 0.10 |" in text
+
+
+def test_ablation_from_replays_runs_every_head_at_once_and_pairs_griffin_with_each(tmp_path, monkeypatch):
+    from inference import ablation, tau
+
+    calls = []
+
+    def fake_tau(argv):  # writes what inference.tau writes: one file per bench and T with every head in it
+        calls.append(argv)
+        heads = argv[argv.index("--heads") + 1: argv.index("--bench")]
+        t = argv[argv.index("--temperatures") + 1]
+        out = Path(argv[argv.index("--out") + 1])
+        result = {"command": "python -m inference.tau " + " ".join(argv), "max_new_tokens": 128,
+                  "tree": {"depth": 5, "top_k": 8, "total_tokens": 24}, "heads": {}}
+        for i, head in enumerate(heads):
+            per_prompt = [{"question_id": q, "turn": 0, "tau": 3.0 - 0.2 * i + 0.1 * q} for q in range(4)]
+            result["heads"][Path(head).name] = {t: {"tau": 3.15 - 0.2 * i, "n_prompts": 4, "per_prompt": per_prompt}}
+        out.with_suffix(".json").write_text(json.dumps(result))
+        return 0
+
+    monkeypatch.setattr(tau, "main", fake_tau)
+    results, report = tmp_path / "ablation", tmp_path / "ablation.md"
+    results.mkdir()
+    common = ["--replay", "--results", str(results), "--report", str(report), "--benches", "mt_bench,gsm8k"]
+    assert ablation.main(["--run", *common, "--threads", "2"]) == 0
+    assert len(calls) == 4 and all(len(argv[argv.index("--heads") + 1: argv.index("--bench")]) == 5 for argv in calls)
+    limits = {(a[a.index("--bench") + 1], a[a.index("--temperatures") + 1]): a[a.index("--limit") + 1]
+              if "--limit" in a else None for a in calls}
+    assert limits == {("mt_bench", "0"): None, ("gsm8k", "0"): "20", ("mt_bench", "1"): "20", ("gsm8k", "1"): "20"}
+    text = report.read_text()
+    assert "offline replays" in text and "| GRIFFIN | 3.15 ± 0.06 |" in text
+    assert "| EAGLE-2 (eagle, K=1) | +0.800 ± 0.000 (1.340x) |" in text  # 3.15 / 2.35, paired prompt by prompt
+    assert ablation.main(["--run", *common]) == 0 and len(calls) == 4  # nothing missing: nothing rerun
+    with pytest.raises(FileNotFoundError, match="run with --run first$"):  # no speed runs there
+        ablation.main(["--results", str(results), "--report", str(report)])
 
 
 def test_machine_line_names_the_vector_extensions_and_the_headline_marks_amx():
