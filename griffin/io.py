@@ -1,7 +1,9 @@
-"""Atomic file writes: write to a temporary file in the same folder, flush, then rename over the destination."""
+"""File input and output: atomic writes (a temporary file in the same folder, flushed, then renamed over the
+destination), journals of long runs, safetensors reads, and the digest that names a saved model's weights."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -96,3 +98,15 @@ def load_safetensors(path: str | os.PathLike) -> dict:
     """Every tensor of a safetensors file (see :func:`open_safetensors` for the errors)."""
     with open_safetensors(path) as handle:
         return {key: handle.get_tensor(key) for key in handle.keys()}
+
+
+def weights_digest(folder: str | os.PathLike) -> str:
+    """A hash of a saved model's ``config.json`` and weights file (16 hex digits): results record it, so that a head
+    retrained into the same folder does not inherit the old head's results, while a rewritten card keeps them."""
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors", "pytorch_model.bin"):  # the last: official heads
+        path = Path(folder) / name
+        if name == "config.json" or path.is_file():
+            digest.update(name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]

@@ -5,6 +5,7 @@
     python -m inference.ablation                # only rebuild the report from existing results
 
 Heads are ``checkpoints/<target>-<name>`` for the names below; every head uses the same tree and generation settings.
+Only runs of a head's present weights count (the weights digest each run records).
 Two sources of τ, the same quantity (``benchmarks/results/tau-validation.md``): ``--replay`` replays every head's
 drafting against the target's stored continuations (:mod:`inference.tau`: one target forward per prompt for all five
 heads, minutes instead of hours), files ``tau-<bench>-T<temp>.json``; without it, speed runs of the generator, files
@@ -22,7 +23,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from griffin.io import atomic_write, atomic_write_text
+from griffin.io import atomic_write, atomic_write_text, weights_digest
 from training.cli import run_cli
 
 from .questions import BENCHES
@@ -114,32 +115,52 @@ def run_missing_replays(args, temperatures: list[float]) -> None:
                       *tree_argv(args, bench, temperature)])
 
 
-def speed_runs(args, columns: list[tuple]) -> dict[str, dict[tuple, dict]]:
-    """{label: {(bench, T): run}}, each run with tau, per_prompt, n_prompts, command, tree and max_new_tokens."""
+def head_digest(args, suffix: str) -> str | None:
+    """The weights digest of a head's checkpoint (None where it is missing: none of its runs count)."""
+    folder = Path(args.checkpoints) / f"{args.target}-{suffix}"
+    return weights_digest(folder) if (folder / "config.json").is_file() else None
+
+
+def speed_runs(args, columns: list[tuple]) -> tuple[dict[str, dict[tuple, dict]], list[str]]:
+    """-> ({label: {(bench, T): run}}, each run with tau, per_prompt, n_prompts, command, tree and max_new_tokens;
+    the runs left out because they measured other weights than the head's present ones)."""
     runs: dict[str, dict[tuple, dict]] = {}
+    stale = []
     for label, suffix in HEADS.items():
+        digest = head_digest(args, suffix)
         for bench, t in columns:
             path = result_path(args, bench, suffix, t)
-            if path.is_file():
-                runs.setdefault(label, {})[(bench, t)] = json.loads(path.read_text())
-    return runs
+            if not path.is_file():
+                continue
+            run = json.loads(path.read_text())
+            if run.get("draft_digest") != digest:
+                stale.append(path.name)
+                continue
+            runs.setdefault(label, {})[(bench, t)] = run
+    return runs, stale
 
 
-def replays(args, columns: list[tuple]) -> dict[str, dict[tuple, dict]]:
+def replays(args, columns: list[tuple]) -> tuple[dict[str, dict[tuple, dict]], list[str]]:
     """The same as :func:`speed_runs`, read from the replay files (one per column, every head in it)."""
     runs: dict[str, dict[tuple, dict]] = {}
+    stale = []
     for bench, t in columns:
         path = replay_path(args, bench, t)
         if not path.is_file():
             continue
         result = json.loads(path.read_text())
         for label, suffix in HEADS.items():
-            run = result["heads"].get(f"{args.target}-{suffix}", {}).get(f"{t:g}")
-            if run is not None:
-                runs.setdefault(label, {})[(bench, t)] = {
-                    **run, "command": result["command"], "tree": result["tree"],
-                    "max_new_tokens": result["max_new_tokens"]}
-    return runs
+            name = f"{args.target}-{suffix}"
+            run = result["heads"].get(name, {}).get(f"{t:g}")
+            if run is None:
+                continue
+            if result.get("head_digests", {}).get(name) != head_digest(args, suffix):
+                stale.append(f"{path.name} ({suffix})")
+                continue
+            runs.setdefault(label, {})[(bench, t)] = {
+                **run, "command": result["command"], "tree": result["tree"],
+                "max_new_tokens": result["max_new_tokens"]}
+    return runs, stale
 
 
 def standard_error(values: list[float]) -> float | None:
@@ -156,7 +177,9 @@ def paired(ours: dict, other: dict) -> tuple[float, float | None, int] | None:
 
 def report(args, temperatures: list[float]) -> str:
     columns = [(b, t) for t in temperatures for b in BENCHES]
-    runs = (replays if args.replay else speed_runs)(args, columns)
+    runs, stale = (replays if args.replay else speed_runs)(args, columns)
+    if stale:
+        print(f"left out {len(stale)} runs of other weights than the heads' present ones: {', '.join(stale)}")
     if not runs:
         raise FileNotFoundError(f"no ablation results under {args.results}: run with --run first"
                                 + (" --replay" if args.replay else ""))

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from griffin.io import atomic_write, atomic_write_json
+from griffin.io import atomic_write, atomic_write_json, weights_digest
 from training.cli import run_cli
 
 from .report import command_line, machine_info, markdown_table, write_benchmark
@@ -162,7 +162,7 @@ def evaluate_missing(args, argv: list[str] | None) -> None:
         key = f"{temperature:g}"
         settings = {"bench": args.bench, "temperature": temperature, "limit": args.limit[temperature],
                     "max_new_tokens": args.max_new_tokens, "tree": [args.total_tokens, args.depth, args.top_k],
-                    "heads": {name: [path, tau.head_digest(path)] for name, path in missing.items()}}
+                    "heads": {name: [path, weights_digest(path)] for name, path in missing.items()}}
         journal = tau.Journal(Path(args.results) / f".{args.bench}-T{key}.partial.jsonl", settings)
         done: dict[str, dict[tuple, tau.PromptTau]] = {name: {} for name in heads}
         for (name, question_id, turn), prompt in journal.replays(key).items():

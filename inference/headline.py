@@ -4,7 +4,8 @@
 
 Reads ``benchmarks/results/<bench>-<head>[-lookup<K>]-T<temp>[-bf16].json`` for the shipped default head (runs with
 ``--lookup K`` add a prompt-lookup chain to its tree) and ``ablation.md``, and rewrites the text between
-``<!-- results:start -->`` and ``<!-- results:end -->`` in README.md.
+``<!-- results:start -->`` and ``<!-- results:end -->`` in README.md. Only runs of the head's present weights count
+(their ``draft_digest``; runs of an earlier head of the same name are named and left out).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from griffin.io import atomic_write_text
+from griffin.io import atomic_write_text, weights_digest
 from training.cli import run_cli
 
 from .questions import BENCHES
@@ -45,9 +46,12 @@ def tags(results_dir: Path, head: str) -> list[str]:
     return [head] + [f"{head}-lookup{k}" for k in sorted(found)]
 
 
-def section(results_dir: Path, head: str) -> str:
+def section(results_dir: Path, head: str, checkpoints: Path) -> tuple[str, list[str]]:
+    """-> (the results section, the files left out as runs of other weights than the head's present ones)."""
+    digest = weights_digest(checkpoints / head)
     rows = []
     commands = []
+    stale = []
     runs = [(tag, dtype, temperature, bench) for dtype in ("fp32", "bf16") for temperature in (0, 1)
             for tag in tags(results_dir, head) for bench in BENCHES]
     for tag, dtype, temperature, bench in runs:
@@ -55,6 +59,9 @@ def section(results_dir: Path, head: str) -> str:
         if not path.is_file():
             continue
         r = json.loads(path.read_text())
+        if r.get("draft_digest") != digest:
+            stale.append(path.name)
+            continue
         best = fastest_plain(r)
         plain = [f"{r['baseline_tokens_per_s']:.1f}" if "baseline_tokens_per_s" in r else "-",
                  f"{r['own_loop_tokens_per_s']:.1f} ({r.get('own_loop_one_row', 'linear')})"
@@ -70,7 +77,7 @@ def section(results_dir: Path, head: str) -> str:
         commands.append(r["command"])
         machine = r["machine"]
     if not rows:
-        return "No headline speed runs yet.\n\n" + costs(results_dir)
+        return "No headline speed runs yet.\n\n" + costs(results_dir), stale
     text = (f"Head `checkpoints/{head}`, one process per run, every method timed side by side after a warm-up, the "
             f"target in the dtype shown for all of them, on the CPU shown ({machine['cores']} cores, torch "
             f"{machine['torch']}). The headline speedup is against the fastest plain decoding of the same run: the "
@@ -91,7 +98,7 @@ def section(results_dir: Path, head: str) -> str:
         text += ("\nAblation: acceptance length τ of heads trained on the same data and budget, all with the same "
                  f"tree ([{ablation.as_posix()}]({ablation.as_posix()})):\n\n{table}"
                  f"\n![ablation]({ablation.with_suffix('.png').as_posix()})\n")
-    return text + "\n" + costs(results_dir)
+    return text + "\n" + costs(results_dir), stale
 
 
 def costs(results_dir: Path) -> str:
@@ -150,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--readme", default="README.md")
     p.add_argument("--results", default="benchmarks/results")
     p.add_argument("--head", default="smollm2-135m-instruct-griffin")
+    p.add_argument("--checkpoints", default="checkpoints", help="the folder of the head")
     args = p.parse_args(argv)
     readme = Path(args.readme)
     text = readme.read_text()
@@ -157,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"{readme} has no {START} ... {END} section to fill")
     before, rest = text.split(START, 1)
     _, after = rest.split(END, 1)
-    atomic_write_text(readme, before + START + "\n" + section(Path(args.results), args.head) + END + after)
+    results, stale = section(Path(args.results), args.head, Path(args.checkpoints))
+    atomic_write_text(readme, before + START + "\n" + results + END + after)
+    if stale:
+        print(f"left out {len(stale)} runs of other weights than {Path(args.checkpoints) / args.head}'s: "
+              f"{', '.join(stale)}")
     print(f"updated the results section of {readme}")
     return 0
 

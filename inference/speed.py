@@ -76,7 +76,7 @@ from tqdm.auto import tqdm
 from griffin import SpecGenerator
 from griffin.autotune import tuning_record
 from griffin.chat import prompt_ids
-from griffin.io import atomic_write_json, atomic_write_text, read_journal
+from griffin.io import atomic_write_json, atomic_write_text, read_journal, weights_digest
 from griffin.plain import plain_generate
 from griffin.sampling import SamplingConfig
 from griffin.target import load_target
@@ -174,7 +174,9 @@ def summarise(records: list[dict], args: argparse.Namespace, bench: str, gen: Sp
         for k in split:
             split[k] += r["ours"]["stats"][k]
     result = {
-        "bench": bench, "target": args.target, "draft": tag, "temperature": args.temperature,
+        "bench": bench, "target": args.target, "draft": tag,
+        "draft_digest": weights_digest(gen.draft_path) if gen.draft_path else None,  # which weights were measured
+        "temperature": args.temperature,
         "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
         "draft_dtype": str(gen.draft.fusion.fc.weight.dtype).removeprefix("torch."),
         "tree": {"depth": gen.depth, "top_k": gen.top_k, "total_tokens": gen.total_tokens, "lookup": gen.lookup},

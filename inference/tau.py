@@ -126,7 +126,7 @@ from griffin.chat import prompt_ids
 from griffin.drafters import HeadDrafter
 from griffin.family import verification_mask
 from griffin.generator import default_head, fast_draft_dtype
-from griffin.io import atomic_write_text, read_journal
+from griffin.io import atomic_write_text, read_journal, weights_digest
 from griffin.kernels import WeightMajorLinears, choose_kernels
 from griffin.kv_cache import BufferCache, cached_forward
 from griffin.plain import plain_generate
@@ -633,15 +633,6 @@ class Journal:
         self.path.unlink()
 
 
-def head_digest(folder: str | Path) -> str:
-    """A hash of a head folder's files (a retrained head in the same folder does not reuse old results)."""
-    digest = hashlib.sha256()
-    for file in sorted(p for p in Path(folder).iterdir() if p.is_file()):
-        digest.update(file.name.encode())
-        digest.update(file.read_bytes())
-    return digest.hexdigest()[:16]
-
-
 def head_names(paths: list[str]) -> dict[str, str]:
     """Folder names, or the full paths where two folders share a name."""
     names = [Path(p).name for p in paths]
@@ -743,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     journal = None
     if heads:
         settings = {k: v for k, v in vars(args).items() if k not in ("argv", "out", "threads", "continuations")}
-        settings["heads"] = {name: [path, head_digest(path)] for name, path in paths.items()}
+        settings["heads"] = {name: [path, weights_digest(path)] for name, path in paths.items()}
         journal = Journal(out.parent / f".{out.name}.partial.jsonl", settings)
     for temperature, limit, reference in runs:
         key = f"{temperature:g}"
@@ -775,6 +766,7 @@ def main(argv: list[str] | None = None) -> int:
               "draft_dtype": draft_dtype, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
               "tree": {"depth": args.depth, "top_k": args.top_k, "total_tokens": args.total_tokens},
               "limits": {f"{t:g}": limit for t, limit, _ in runs}, "n_prompts": n_prompts, "head_paths": paths,
+              "head_digests": {name: weights_digest(path) for name, path in paths.items()},
               "heads": results, "seconds": time.perf_counter() - start, "machine": machine_info(),
               "command": command_line("inference.tau", args.argv)}
     result["paired"] = paired_differences(result)

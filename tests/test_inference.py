@@ -123,6 +123,9 @@ def test_speed_run_writes_results(tmp_path, embedded):
     assert result["speedup_vs_fastest_plain"] == pytest.approx(result["tokens_per_s"] / plain)
     assert result["fastest_plain"] in ("baseline", "own_loop")
     assert result["identical_fraction"] == 1.0 and result["n_prompts"] == 1
+    from griffin.io import weights_digest
+
+    assert result["draft_digest"] == weights_digest(tmp_path / "head")  # which weights were measured
     tuning = result["tuning"]  # why the tree is what it is: the tuner's record for the run's temperature band
     assert tuning["temperature"] == 0.0 and tuning["reason"] and tuning["expected_tau"] >= 1
     assert f"Tree chosen by the tuner on this machine: {tuning['reason']}." in (
@@ -175,8 +178,9 @@ def test_resume_keeps_only_questions_with_every_turn(tmp_path):
     assert load_partial(path, settings, questions) == []
 
 
-def fake_result(bench: str, draft: str, temperature: float, tau: float) -> dict:
-    return {"bench": bench, "target": "smollm2-135m-instruct", "draft": draft, "temperature": temperature,
+def fake_result(bench: str, draft: str, temperature: float, tau: float, digest: str = "") -> dict:
+    return {"bench": bench, "target": "smollm2-135m-instruct", "draft": draft, "draft_digest": digest,
+            "temperature": temperature,
             "max_new_tokens": 128, "n_prompts": 80, "tau": tau, "tokens_per_s": 30.0, "speedup": 2.0,
             "baseline_tokens_per_s": 15.0, "own_loop_tokens_per_s": 20.0, "peers": {"prompt_lookup": 1.1},
             "prompt_lookup_tokens_per_s": 18.0,
@@ -184,31 +188,57 @@ def fake_result(bench: str, draft: str, temperature: float, tau: float) -> dict:
             "tree": {"depth": 5, "top_k": 8, "total_tokens": 24}, "command": f"python -m inference.speed {bench}",
             "machine": {"cpu": "Intel(R) Xeon(R) Processor", "cores": 2, "torch": "2.13", "date": "today",
                         "torch_threads": 1},
-            "per_prompt": [{"tau": tau - 0.1}, {"tau": tau + 0.1}]}  # standard error 0.1
+            "per_prompt": [{"question_id": 1, "turn": 0, "tau": tau - 0.1},
+                           {"question_id": 2, "turn": 0, "tau": tau + 0.1}]}  # standard error 0.1
 
 
-def test_ablation_report_and_readme_section(tmp_path):
+def fake_heads(checkpoints: Path, suffixes) -> dict[str, str]:
+    """Head folders whose files differ only in one byte -> {suffix: weights digest}."""
+    from griffin.io import weights_digest
+
+    digests = {}
+    for i, suffix in enumerate(suffixes):
+        folder = checkpoints / f"smollm2-135m-instruct-{suffix}"
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_bytes(bytes([i]))
+        digests[suffix] = weights_digest(folder)
+    return digests
+
+
+def test_ablation_report_and_readme_section_count_only_runs_of_the_present_weights(tmp_path, capsys):
     from inference import ablation, headline
 
-    results = tmp_path / "results"
+    results, checkpoints = tmp_path / "results", tmp_path / "checkpoints"
     (results / "ablation").mkdir(parents=True)
+    digests = fake_heads(checkpoints, ablation.HEADS.values())
     for i, suffix in enumerate(ablation.HEADS.values()):
         for bench in ("mt_bench", "humaneval", "gsm8k"):
             for t in (0, 1):
                 name = f"{bench}-smollm2-135m-instruct-{suffix}-T{t}.json"
                 (results / "ablation" / name).write_text(json.dumps(fake_result(bench, suffix, float(t),
-                                                                                3.0 - 0.2 * i)))
+                                                                                3.0 - 0.2 * i, digests[suffix])))
                 if suffix == "griffin":  # the headline runs of the shipped head
-                    (results / name).write_text(json.dumps(fake_result(bench, suffix, float(t), 3.5)))
-    assert ablation.main(["--results", str(results / "ablation"), "--report", str(results / "ablation.md")]) == 0
+                    (results / name).write_text(json.dumps(fake_result(bench, suffix, float(t), 3.5,
+                                                                       digests[suffix])))
+    stale = fake_result("mt_bench", "griffin-lookup10", 0.0, 9.0, "an earlier head")  # same name, other weights
+    (results / "mt_bench-smollm2-135m-instruct-griffin-lookup10-T0.json").write_text(json.dumps(stale))
+    (results / "ablation" / "mt_bench-smollm2-135m-instruct-hass-T0.json").write_text(
+        json.dumps(fake_result("mt_bench", "hass", 0.0, 9.0, "an earlier head")))
+    assert ablation.main(["--results", str(results / "ablation"), "--report", str(results / "ablation.md"),
+                          "--checkpoints", str(checkpoints)]) == 0
+    assert "left out 1 runs" in capsys.readouterr().out
     report = (results / "ablation.md").read_text()
     assert "| GRIFFIN | 3.00 ± 0.10 |" in report and "1.364x" in report  # 3.0 / 2.2 against EAGLE-2
+    assert "| HASS (eagle, K=3, no mask) | - | 2.40 ± 0.10 |" in report  # its stale mt_bench run left out
+    assert "| EAGLE-2 (eagle, K=1) | +0.800 ± 0.000 (1.364x) |" in report  # paired by question and turn
     assert (results / "ablation.png").stat().st_size > 1000
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- results:start -->\nold\n<!-- results:end -->\nrest\n")
-    assert headline.main(["--readme", str(readme), "--results", str(results)]) == 0
+    assert headline.main(["--readme", str(readme), "--results", str(results), "--checkpoints", str(checkpoints)]) == 0
+    assert "left out 1 runs of other weights" in capsys.readouterr().out
     text = readme.read_text()
-    assert "old" not in text and text.endswith("rest\n")
+    assert "old" not in text and text.endswith("rest\n") and "9.00" not in text
     assert ("| mt_bench | 0.00 | fp32 | Intel Xeon | 1 | 80 | 128 | 24 nodes, depth 5 | 3.50 | **1.50x** (own loop) | "
             "2.00x |") in text  # the CPU without trademark signs
     assert "| 20.0 (linear) | 1.20x | 1.00 |" in text  # prompt lookup: a ratio of tokens/s (18 / 15), not of times
@@ -222,6 +252,8 @@ def test_ablation_report_and_readme_section(tmp_path):
 def test_ablation_from_replays_runs_every_head_at_once_and_pairs_griffin_with_each(tmp_path, monkeypatch):
     from inference import ablation, tau
 
+    checkpoints = tmp_path / "checkpoints"
+    digests = fake_heads(checkpoints, ablation.HEADS.values())
     calls = []
 
     def fake_tau(argv):  # writes what inference.tau writes: one file per bench and T with every head in it
@@ -230,7 +262,9 @@ def test_ablation_from_replays_runs_every_head_at_once_and_pairs_griffin_with_ea
         t = argv[argv.index("--temperatures") + 1]
         out = Path(argv[argv.index("--out") + 1])
         result = {"command": "python -m inference.tau " + " ".join(argv), "max_new_tokens": 128,
-                  "tree": {"depth": 5, "top_k": 8, "total_tokens": 24}, "heads": {}}
+                  "tree": {"depth": 5, "top_k": 8, "total_tokens": 24}, "heads": {},
+                  "head_digests": {Path(h).name: digests[Path(h).name.removeprefix("smollm2-135m-instruct-")]
+                                   for h in heads}}
         for i, head in enumerate(heads):
             per_prompt = [{"question_id": q, "turn": 0, "tau": 3.0 - 0.2 * i + 0.1 * q} for q in range(4)]
             result["heads"][Path(head).name] = {t: {"tau": 3.15 - 0.2 * i, "n_prompts": 4, "per_prompt": per_prompt}}
@@ -240,7 +274,8 @@ def test_ablation_from_replays_runs_every_head_at_once_and_pairs_griffin_with_ea
     monkeypatch.setattr(tau, "main", fake_tau)
     results, report = tmp_path / "ablation", tmp_path / "ablation.md"
     results.mkdir()
-    common = ["--replay", "--results", str(results), "--report", str(report), "--benches", "mt_bench,gsm8k"]
+    common = ["--replay", "--results", str(results), "--report", str(report), "--benches", "mt_bench,gsm8k",
+              "--checkpoints", str(checkpoints)]
     assert ablation.main(["--run", *common, "--threads", "2"]) == 0
     assert len(calls) == 4 and all(len(argv[argv.index("--heads") + 1: argv.index("--bench")]) == 5 for argv in calls)
     limits = {(a[a.index("--bench") + 1], a[a.index("--temperatures") + 1]): a[a.index("--limit") + 1]
@@ -250,8 +285,10 @@ def test_ablation_from_replays_runs_every_head_at_once_and_pairs_griffin_with_ea
     assert "offline replays" in text and "| GRIFFIN | 3.15 ± 0.06 |" in text
     assert "| EAGLE-2 (eagle, K=1) | +0.800 ± 0.000 (1.340x) |" in text  # 3.15 / 2.35, paired prompt by prompt
     assert ablation.main(["--run", *common]) == 0 and len(calls) == 4  # nothing missing: nothing rerun
+    (checkpoints / "smollm2-135m-instruct-eagle2" / "model.safetensors").write_bytes(b"retrained")
+    assert ablation.main(common) == 0 and "| EAGLE-2" not in report.read_text()  # its replays are of other weights
     with pytest.raises(FileNotFoundError, match="run with --run first$"):  # no speed runs there
-        ablation.main(["--results", str(results), "--report", str(report)])
+        ablation.main(common[1:])
 
 
 def test_machine_line_names_the_vector_extensions_and_the_headline_marks_amx():
@@ -284,9 +321,14 @@ def test_export_writes_fp16_weights_and_a_card(tmp_path, tiny_target_dir):
         {"epoch": 0, "updates": 5, "tokens": 100, "train_seconds": 36.0, "passes": passes}]}))
     results = tmp_path / "results"
     results.mkdir()
-    (results / "mt_bench-tiny-griffin-T0.json").write_text(json.dumps(fake_result("mt_bench", "x", 0.0, 3.1)))
     dst = tmp_path / "tiny-griffin"
     assert export.main([str(src), str(dst), "--name", "GRIFFIN", "--results", str(results)]) == 0
+    from griffin.io import weights_digest
+
+    (results / "mt_bench-tiny-griffin-T0.json").write_text(json.dumps(fake_result("mt_bench", "x", 0.0, 3.1,
+                                                                                  weights_digest(dst))))
+    (results / "gsm8k-tiny-griffin-T0.json").write_text(json.dumps(fake_result("gsm8k", "x", 0.0, 9.0, "earlier")))
+    assert export.main([str(src), str(dst), "--name", "GRIFFIN", "--results", str(results)]) == 0  # refresh the card
     assert DraftModel.from_pretrained(dst).config == head.config
     from safetensors import safe_open
 
@@ -295,6 +337,7 @@ def test_export_writes_fp16_weights_and_a_card(tmp_path, tiny_target_dir):
     card = (dst / "README.md").read_text()
     assert card.startswith("# GRIFFIN draft head for tiny") and "| 1 | 0.50 | 0.70 | 1.00 | 1.00 |" in card
     assert "3.10" in card and "python -m inference.speed mt_bench" in card
+    assert "9.00" not in card and "gsm8k" not in card  # a run of an earlier head exported to the same folder
 
 
 @pytest.mark.parametrize("lookup", ["0", "4"])

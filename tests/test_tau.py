@@ -212,6 +212,9 @@ def test_cli_engine_check_resume_and_reference(tmp_path, tiny_target_dir, monkey
     assert code == 0, err
     assert not journal.exists()
     first = json.loads((tmp_path / "first.json").read_text())
+    from griffin.io import weights_digest
+
+    assert first["head_digests"] == {"head": weights_digest(head)}
     run = first["heads"]["head"]["0"]
     assert run["per_prompt"][0]["new_tokens"] > 1000
     run["per_prompt"][0]["tau"] = run["engine_check"][0]["replay_tau"]  # undo the tampering for the checks below

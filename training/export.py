@@ -9,8 +9,9 @@ GRIFFIN layout that other engines load: a Llama ``config.json`` and ``model.safe
 vocabulary is expanded to the target's full lm_head (no ``d2t`` mapping is written), as the card says.
 
 The card is rebuilt from the files alone: the training run (``validation.json``), and every speed run of this head
-found under ``benchmarks/results`` (files named ``<bench>-<head folder name>-T<temp>.json``). Rerun after new speed
-runs to refresh it.
+found under ``benchmarks/results`` (files named ``<bench>-<head folder name>-T<temp>.json`` whose ``draft_digest`` is
+the exported weights': runs of an earlier head exported to the same folder are left out). Rerun after new speed runs
+to refresh it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from griffin.io import atomic_write, atomic_write_json, atomic_write_text, read_json
+from griffin.io import atomic_write, atomic_write_json, atomic_write_text, read_json, weights_digest
 from inference.report import fastest_plain, markdown_table, tree_text
 
 from .cli import run_cli
@@ -168,12 +169,16 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write(dst / VALIDATION, lambda path: shutil.copyfile(src / VALIDATION, path))
         atomic_write_json(dst / STAGES, stages)
     files = [f for folder in args.results for f in Path(folder).glob(f"*-{dst.name}-T*.json")]
-    results = sorted((json.loads(f.read_text()) for f in files),
+    found = [json.loads(f.read_text()) for f in files]
+    digest = weights_digest(dst)
+    results = sorted((r for r in found if r.get("draft_digest") == digest),
                      key=lambda r: (r["bench"], r["temperature"], r.get("dtype", "fp32"), r["tree"]["total_tokens"]))
     text = card(args.name or head.config.arch, dst, head, report, results, stages, args.notes, args.format,
                 args.dtype)
     atomic_write_text(dst / "README.md", text)
-    print(f"exported {src} -> {dst} in the {args.format} layout ({len(results)} speed runs in the card)")
+    other = len(found) - len(results)
+    print(f"exported {src} -> {dst} in the {args.format} layout ({len(results)} speed runs in the card"
+          + (f"; {other} of other weights left out" if other else "") + ")")
     return 0
 
 
