@@ -102,6 +102,8 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     machine = {"--work": str(tmp_path / "work"), "--sharegpt-store": str(tmp_path / "sharegpt")}
     argv = args + [x for kv in machine.items() for x in kv]
     assert recipe.main(argv + ["--chunks", "1"]) == 0
+    code, err = run_main("training.recipe", *argv, "--promote")
+    assert code == 2 and "chunks: griffin 1, griffin-k1 1," in err and "run the recipe to the end first" in err
     state = json.loads((ckpt / "recipe.json").read_text())
     # chunks: ShareGPT group 0, answers to group 0, ShareGPT group 1, answers to group 1
     assert state["settings"]["chunks"] == 4 and state["settings"]["stage_ends"] == [3, 4, 4]
@@ -184,6 +186,14 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
 
     calls.clear()
     assert recipe.main(argv) == 0 and calls == []  # all done: nothing runs
+    assert recipe.main(argv + ["--promote"]) == 0  # shipped beside the work folder, named as the ablation reads them
+    assert [m for m, _ in calls] == ["training.export"] * len(recipe.HEADS)
+    for head in recipe.HEADS:
+        shipped = ckpt.parent / f"{tiny_target_dir.name}-{head.name}"
+        assert (shipped / "model.safetensors").read_bytes() == (ckpt / f"wip-{head.name}" / "model.safetensors"
+                                                                ).read_bytes()
+        card = (shipped / "README.md").read_text()
+        assert card.startswith(f"# {head.label} draft head") and "on all 4 chunks" in card
     code, err = run_main("training.recipe", *argv, "--chunk-shards", "2")
     assert code == 2 and "other settings" in err
 

@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python -m training.recipe --commit      # run or continue; commit the heads as they improve
     python -m training.recipe --commit --jobs 2               # two processes: data (3 chunks ahead) beside training
     python -m training.recipe --plan                          # what is done, what comes next, and nothing else
+    python -m training.recipe --promote                       # at the end: ship the five heads (checkpoints/)
 
 Stop it with Ctrl-C or ``kill PID`` (its steps' processes end with it); the same command resumes it. One recipe at
 a time runs with a given ``--work``.
@@ -171,6 +172,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--commit", action="store_true", help="git-commit the exported heads and recipe.json")
     p.add_argument("--commit-every", type=int, default=3600, help="seconds between commits (stage ends always)")
     p.add_argument("--plan", action="store_true", help="print the state and the next steps, run nothing")
+    p.add_argument("--promote", action="store_true",
+                   help="once every head has consumed every chunk: ship them, exported with their cards to "
+                        "<parent of --checkpoints>/<target>-<head> (the folders inference.ablation and the default "
+                        "head read), and run nothing else")
     args = p.parse_args(argv)
     try:
         fractions = [float(x) for x in args.stage_chunks.split(",")]
@@ -689,6 +694,24 @@ def export(args, state: dict, head: Head, chunk: int, run: Path, fixed: dict[str
                            "fixed": fixed})
 
 
+def promote(args, cfg: dict, state: dict) -> int:
+    """Every stage-2 head that has consumed every chunk -> <parent of --checkpoints>/<target>-<head>."""
+    behind = [f"{h.name} {chunks_done(state, h)}" for h in HEADS if chunks_done(state, h) < cfg["chunks"]]
+    if behind:
+        raise ValueError(f"--promote ships finished heads, but these have consumed fewer than all {cfg['chunks']} "
+                         f"chunks: {', '.join(behind)}; run the recipe to the end first (the same command without "
+                         "--promote)")
+    for head in HEADS:
+        dst = Path(args.checkpoints).parent / f"{Path(args.target).name}-{head.name}"
+        seen = next(p["tokens_seen"] for p in reversed(state["curve"]) if p["head"] == head.name)
+        python("training.export", str(head_folder(args, head.name)), str(dst), "--name", head.label, "--notes",
+               f"Trained by training/recipe.py on all {cfg['chunks']} chunks ({seen / 1e6:.2f}M tokens: every "
+               "ShareGPT record and the target's own answers to first turns), one row per chunk above; learning "
+               f"curve and the time of every step in {args.checkpoints}/README.md.")
+        log.info("shipped %s -> %s", head_folder(args, head.name), dst)
+    return 0
+
+
 def git(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(["git", *argv], capture_output=True, text=True)
 
@@ -910,6 +933,8 @@ def run(args: argparse.Namespace, work: Path) -> int:
     print(plan_text(cfg, state))
     if args.plan:
         return 0
+    if args.promote:
+        return promote(args, cfg, state)
     log.info("precision of every step: %s (--precision %s)", args.dtype, args.precision)
     backfill_fixed_val(args, state, fixed_val_stores(args, cfg, state,
                                                      max((p["chunk"] for p in state["curve"]), default=-1)))
