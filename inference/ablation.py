@@ -49,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--checkpoints", default="checkpoints")
     p.add_argument("--results", default="benchmarks/results/ablation",
-                   help="folder of the runs")
+                   help="folder of the ablation's runs (apart from the headline runs, whose tree may be tuned per "
+                        "head)")
     p.add_argument("--report", default="benchmarks/results/ablation.md", help="the table; the plot goes beside it")
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -61,7 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--total-tokens", type=int, default=24)
     p.add_argument("--benches", default=",".join(BENCHES), help="benches to run (the report shows all it finds)")
     p.add_argument("--heads", default=",".join(HEADS.values()),
-                   help="comma-separated checkpoint suffixes to run (the report shows all it finds)")
+                   help="comma-separated checkpoint suffixes to run (the report shows all it finds; speed runs: "
+                        "split them over several processes to use more cores)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of the replays")
     return p.parse_args(argv)
 
