@@ -6,7 +6,7 @@
 
 Heads are ``checkpoints/<target>-<name>`` for the names below; every head uses the same tree and generation settings.
 Only runs of a head's present weights count (the weights digest each run records).
-Two sources of τ, the same quantity (``benchmarks/results/tau-validation.md``): ``--replay`` replays every head's
+Two sources of τ, the same quantity (:mod:`inference.tau` says why): ``--replay`` replays every head's
 drafting against the target's stored continuations (:mod:`inference.tau`: one target forward per prompt for all five
 heads, minutes instead of hours), files ``tau-<bench>-T<temp>.json``; without it, speed runs of the generator, files
 ``<bench>-<target>-<head>-T<temp>.json``. Either goes to ``benchmarks/results/ablation/``; the report to
@@ -210,7 +210,7 @@ def report(args, temperatures: list[float]) -> str:
         rows.append([label] + [cell(v, errors.get(label, {}).get(c)) for v, c in zip(values, columns)] + [mean] +
                     [f"{sum(ratios) / len(ratios):.3f}x" if ratios else "-"])
     source = ("offline replays of each head's drafting against the target's stored continuations "
-              "(`inference.tau`, the engine's τ: `tau-validation.md`)" if args.replay else
+              "(`inference.tau`, whose docstring shows why that is the engine's τ)" if args.replay else
               "speed runs of the generator")
     text = ("# Ablation: acceptance length τ on SmolLM2-135M-Instruct\n\n"
             f"τ = new tokens per target forward pass, from {source}. Same features, data split and number of updates "

@@ -36,8 +36,8 @@ Why no target in the loop gives the engine's τ:
 What is not mirrored bit for bit: the engine takes the features of accepted tokens from its tree-verification
 forwards, this module from one causal forward over the continuation (the prompt's features come from the same
 prefill call as the engine's). They differ by float rounding, which can flip a near-tie among draft scores and so
-change a tree now and then: per-prompt τ agrees exactly for most prompts and the mean within noise (figures in
-``benchmarks/results/tau-validation.md``).
+change a tree now and then: per-prompt τ agrees exactly for most prompts and the mean within noise
+(``--engine-check N`` measures it on your machine; ``tests/test_tau.py`` checks it on tiny models).
 
 Continuations are cached as token ids (JSON, one record per line, rewritten atomically after every prompt, so a
 killed run resumes) under ``benchmarks/results/continuations/``, keyed by target fingerprint, bench, temperature,
