@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -27,7 +28,7 @@ from griffin.io import atomic_write, atomic_write_text, weights_digest
 from training.cli import run_cli
 
 from .questions import BENCHES
-from .report import markdown_table
+from .report import markdown_table, paired_difference
 
 HEADS = {  # label -> checkpoint suffix; arch, K and top-k of each in the model cards
     "GRIFFIN": "griffin",
@@ -169,14 +170,6 @@ def standard_error(values: list[float]) -> float | None:
     return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None
 
 
-def paired(ours: dict, other: dict) -> tuple[float, float | None, int] | None:
-    """Mean and standard error of per-prompt τ(ours) − τ(other) over the prompts both ran, and their number."""
-    mine = {(p["question_id"], p["turn"]): p["tau"] for p in ours.get("per_prompt", []) if "question_id" in p}
-    diffs = [mine[k] - p["tau"] for p in other.get("per_prompt", [])
-             if "question_id" in p and (k := (p["question_id"], p["turn"])) in mine]
-    return (statistics.fmean(diffs), standard_error(diffs), len(diffs)) if diffs else None
-
-
 def report(args, temperatures: list[float]) -> str:
     columns = [(b, t) for t in temperatures for b in BENCHES]
     runs, stale = (replays if args.replay else speed_runs)(args, columns)
@@ -234,13 +227,13 @@ def paired_section(runs: dict[str, dict[tuple, dict]], columns: list[tuple], nam
             continue
         row = [label]
         for c in columns:
-            pair = paired(ours[c], found[c]) if c in ours and c in found else None
+            pair = (paired_difference(ours[c].get("per_prompt", []), found[c].get("per_prompt", []))
+                    if c in ours and c in found else None)
             if pair is None:
                 row.append("-")
                 continue
-            mean, error, _ = pair
-            row.append(f"{mean:+.3f}" + (f" ± {error:.3f}" if error is not None else "") +
-                       f" ({ours[c]['tau'] / found[c]['tau']:.3f}x)")
+            error = "" if math.isnan(pair["se"]) else f" ± {pair['se']:.3f}"
+            row.append(f"{pair['mean']:+.3f}{error} ({ours[c]['tau'] / found[c]['tau']:.3f}x)")
         rows.append(row)
     if not rows or all(v == "-" for row in rows for v in row[1:]):
         return ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import shlex
+import statistics
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -88,3 +89,14 @@ def fastest_plain(result: dict) -> tuple[float, str] | None:
         return None
     name = max(rates, key=rates.get)
     return result["tokens_per_s"] / rates[name], name
+
+
+def paired_difference(first: list[dict], other: list[dict]) -> dict | None:
+    """Per-prompt τ of ``first`` minus ``other`` over the prompts both ran (matched by question and turn): mean, its
+    standard error (NaN from fewer than two prompts) and the number of prompts; None where they share none."""
+    mine = {(p["question_id"], p["turn"]): p["tau"] for p in first if "question_id" in p}
+    diffs = [mine[k] - p["tau"] for p in other if "question_id" in p and (k := (p["question_id"], p["turn"])) in mine]
+    if not diffs:
+        return None
+    se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
+    return {"mean": statistics.fmean(diffs), "se": se, "n_prompts": len(diffs)}

@@ -63,7 +63,7 @@ from griffin.constants import EMBEDDED_TARGET
 from training.cli import run_cli
 
 from .questions import BENCHES, EXTRA_BENCHES, load_questions
-from .report import command_line, machine_info, machine_text, markdown_table, write_benchmark
+from .report import command_line, machine_info, machine_text, markdown_table, paired_difference, write_benchmark
 
 CONTINUATIONS = Path("benchmarks/results/continuations")
 FORMAT = 1  # version of the continuation file layout
@@ -646,15 +646,13 @@ def paired_differences(result: dict) -> dict:
     names = list(result["heads"])
     out: dict = {}
     for t in result["n_prompts"] if len(names) > 1 else []:
-        base = {(p["question_id"], p["turn"]): p["tau"] for p in result["heads"][names[0]][t]["per_prompt"]}
+        first = result["heads"][names[0]][t]
         out[t] = {}
         for name in names[1:]:
             run = result["heads"][name][t]
-            diffs = [base[k] - p["tau"] for p in run["per_prompt"] if (k := (p["question_id"], p["turn"])) in base]
-            out[t][name] = {"mean": statistics.fmean(diffs) if diffs else float("nan"),
-                            "se": statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan"),
-                            "n_prompts": len(diffs),
-                            "ratio": result["heads"][names[0]][t]["tau"] / run["tau"]}
+            pair = paired_difference(first["per_prompt"], run["per_prompt"]) or {
+                "mean": float("nan"), "se": float("nan"), "n_prompts": 0}
+            out[t][name] = {**pair, "ratio": first["tau"] / run["tau"]}
     return out
 
 
