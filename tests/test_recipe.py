@@ -346,7 +346,7 @@ def test_a_stopped_run_commits_what_it_had_finished(tmp_path, monkeypatch):
 
 
 def test_a_step_of_a_chunk_built_ahead_waits_while_a_step_of_the_present_chunk_waits(monkeypatch):
-    monkeypatch.setattr(recipe, "FREE", {"slots": 1, "ahead": 1, "waiting": 1, "queued": []})  # a present step waits
+    monkeypatch.setattr(recipe, "FREE", {"slots": 1, "ahead": 1, "waiting": 1, "short": 0, "queued": []})  # a present step waits
     ran = threading.Event()
 
     def step_built_ahead() -> None:
@@ -362,16 +362,43 @@ def test_a_step_of_a_chunk_built_ahead_waits_while_a_step_of_the_present_chunk_w
         recipe.SLOTS.notify_all()
     assert ran.wait(30)
     thread.join(30)
-    assert recipe.FREE == {"slots": 1, "ahead": 1, "waiting": 0, "queued": []}
+    assert recipe.FREE == {"slots": 1, "ahead": 1, "waiting": 0, "short": 0, "queued": []}
     recipe.AHEAD.chunk = None
     with recipe.slot():  # a step of the present takes a free process at once
-        assert recipe.FREE == {"slots": 0, "ahead": 1, "waiting": 0, "queued": []}
+        assert recipe.FREE == {"slots": 0, "ahead": 1, "waiting": 0, "short": 0, "queued": []}
+
+
+def test_a_trained_heads_scoring_goes_before_the_next_heads_training(monkeypatch):
+    """Both processes train: when one ends, the head it trained is scored (then exported and committed) before another
+    head starts a training that would hold the process for an hour."""
+    monkeypatch.setattr(recipe, "FREE", {"slots": 0, "ahead": 1, "waiting": 0, "short": 0, "queued": []})
+    order = []
+
+    def step(module: str) -> None:
+        with recipe.slot(short=module in recipe.SHORT_STEPS):
+            order.append(module)
+
+    threads = []
+    for module in ("training.train", "training.evaluate"):  # the training asks first
+        threads.append(threading.Thread(target=step, args=(module,)))
+        threads[-1].start()
+        deadline = time.time() + 30
+        while recipe.FREE["waiting"] < len(threads) and time.time() < deadline:
+            time.sleep(0.01)
+    with recipe.SLOTS:
+        recipe.FREE["slots"] = 1  # a training ends
+        assert recipe.FREE["short"] == 1 and recipe.may_take(None, short=True) and not recipe.may_take(None)
+        recipe.SLOTS.notify_all()
+    for thread in threads:
+        thread.join(30)
+    assert order == ["training.evaluate", "training.train"]
+    assert recipe.FREE == {"slots": 1, "ahead": 1, "waiting": 0, "short": 0, "queued": []}
 
 
 def test_builds_ahead_never_hold_the_last_process(monkeypatch):
     """The present chunk's steps come one after another (an export, then the next head): between two of them no step
     of the present waits, and builds ahead must not take every process in that moment."""
-    monkeypatch.setattr(recipe, "FREE", {"slots": 2, "ahead": 1, "waiting": 0, "queued": []})  # --jobs 2
+    monkeypatch.setattr(recipe, "FREE", {"slots": 2, "ahead": 1, "waiting": 0, "short": 0, "queued": []})  # --jobs 2
     started = [threading.Event(), threading.Event()]
     done = threading.Event()
 
@@ -397,11 +424,11 @@ def test_builds_ahead_never_hold_the_last_process(monkeypatch):
     done.set()
     for thread in builds:
         thread.join(30)
-    assert all(e.is_set() for e in started) and recipe.FREE == {"slots": 2, "ahead": 1, "waiting": 0, "queued": []}
+    assert all(e.is_set() for e in started) and recipe.FREE == {"slots": 2, "ahead": 1, "waiting": 0, "short": 0, "queued": []}
 
 
 def test_the_nearest_chunk_built_ahead_takes_a_free_process_first(monkeypatch):
-    monkeypatch.setattr(recipe, "FREE", {"slots": 0, "ahead": 1, "waiting": 0, "queued": []})  # its process is busy
+    monkeypatch.setattr(recipe, "FREE", {"slots": 0, "ahead": 1, "waiting": 0, "short": 0, "queued": []})  # its process is busy
     order = []
 
     def step_built_ahead(chunk: int) -> None:
@@ -424,14 +451,14 @@ def test_the_nearest_chunk_built_ahead_takes_a_free_process_first(monkeypatch):
         recipe.SLOTS.notify_all()
     for thread in threads:
         thread.join(30)
-    assert order == [25, 26] and recipe.FREE == {"slots": 1, "ahead": 1, "waiting": 0, "queued": []}
+    assert order == [25, 26] and recipe.FREE == {"slots": 1, "ahead": 1, "waiting": 0, "short": 0, "queued": []}
 
 
 def test_a_chunk_built_ahead_after_the_present_ones_kind_starts_once_the_present_training_is_asked_for(monkeypatch):
     """Else it would take the process that the present chunk's data frees before the present's heads ask for it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    monkeypatch.setattr(recipe, "FREE", {"slots": 2, "ahead": 1, "waiting": 0, "queued": [], "submitted": -1})
+    monkeypatch.setattr(recipe, "FREE", {"slots": 2, "ahead": 1, "waiting": 0, "short": 0, "queued": [], "submitted": -1})
     built = []
     monkeypatch.setattr(recipe, "build_chunk", lambda args, cfg, chunk, seconds, records: built.append(chunk))
     monkeypatch.setattr(recipe, "chunk_records", lambda state, cfg, chunk: 0)
@@ -449,7 +476,7 @@ def test_a_chunk_built_ahead_after_the_present_ones_kind_starts_once_the_present
         ahead[2][0].result(30)
         assert sorted(built) == [0, 1, 2, 3] and ran["griffin"].result(30) == "trained"
     # a step that started no process is not waiting
-    assert recipe.FREE == {"slots": 2, "ahead": 1, "waiting": 0, "queued": [], "submitted": 0}
+    assert recipe.FREE == {"slots": 2, "ahead": 1, "waiting": 0, "short": 0, "queued": [], "submitted": 0}
 
 
 def test_a_failing_chunk_ends_the_steps_beside_it_and_starts_no_more(tmp_path, monkeypatch):

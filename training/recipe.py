@@ -66,8 +66,8 @@ kind of answer). Each chunk's own held-out 5 % is reported too, but changes with
 else in fp32, ``--precision``): the rates of each step are in ``benchmarks/results/pipeline-throughput*.md``; the
 seconds each chunk's steps took are in ``recipe.json`` (``timings``) and its ``README.md``, written as the run goes.
 With ``--jobs`` 2 or more, steps overlap (the data of the next ``--ahead`` chunks beside this chunk's training, heads
-beside each other; a step of the chunk being trained on takes a free process first, building ahead never holds the
-last one and builds the nearest chunk first, so it only fills what training leaves idle): each step's seconds are
+beside each other; a step of the chunk being trained on takes a free process first, scoring and exporting a trained
+head before the next head's training, building ahead never holds the last one and builds the nearest chunk first, so it only fills what training leaves idle): each step's seconds are
 still its own wall time, so a chunk's row no longer adds up to the time it took.
 """
 
@@ -275,35 +275,43 @@ FREE = {
     "slots": 1,  # processes that may start now (--jobs in all)
     "ahead": 0,  # how many more of them steps of chunks built ahead may hold (--jobs - 1: one stays the present's)
     "waiting": 0,  # steps of the present chunk waiting for a process
+    "short": 0,  # of those, the short ones (scoring, export: SHORT_STEPS), which go before a head's training
     "queued": [],  # the chunks of the steps built ahead that wait for a process (the nearest goes first)
     "submitted": -1,  # the last chunk whose training steps were submitted
 }
+SHORT_STEPS = {"training.evaluate", "training.export"}  # a minute or less: a head's scores and export come first
 AHEAD = threading.local()  # .chunk: the chunk this thread builds ahead, if any; .announced: its step is counted waiting
 
 
-def may_take(chunk: int | None) -> bool:
-    """Under SLOTS: whether a step of ``chunk`` built ahead (None: a step of the present chunk) may take a process."""
-    return FREE["slots"] > 0 and (chunk is None or FREE["ahead"] > 0 and not FREE["waiting"]
-                                  and chunk == min(FREE["queued"]))
+def may_take(chunk: int | None, short: bool = False) -> bool:
+    """Under SLOTS: whether a step of ``chunk`` built ahead (None: a step of the present chunk; ``short``: one of
+    SHORT_STEPS) may take a process."""
+    return FREE["slots"] > 0 and (chunk is None and (short or not FREE["short"]) or chunk is not None
+                                  and FREE["ahead"] > 0 and not FREE["waiting"] and chunk == min(FREE["queued"]))
 
 
 @contextmanager
-def slot():
+def slot(short: bool = False):
     """One of the --jobs processes, held while a step runs: a step of a chunk built ahead takes one only while no
     other step waits for one, never the last one, and before the steps of later chunks built ahead, so that building
     ahead never delays the chunk being trained on (whose steps come one after another: an export, the next head's
-    training) and builds the next chunk first."""
+    training) and builds the next chunk first. A ``short`` step of the present chunk (scoring or exporting a head
+    that has finished training) goes before the next head's training, so that a head is committed when it is done,
+    not a training later."""
     chunk, announced = getattr(AHEAD, "chunk", None), getattr(AHEAD, "announced", False)
     ahead = chunk is not None
+    short = short and not ahead
     AHEAD.announced = False
     with SLOTS:
         FREE["waiting"] += not ahead and not announced
+        FREE["short"] += short
         if ahead:
             FREE["queued"].append(chunk)
         try:
-            SLOTS.wait_for(lambda: STOPPING.is_set() or may_take(chunk))
+            SLOTS.wait_for(lambda: STOPPING.is_set() or may_take(chunk, short))
         finally:
             FREE["waiting"] -= not ahead
+            FREE["short"] -= short
             if ahead:
                 FREE["queued"].remove(chunk)
         FREE["slots"] -= 1
@@ -344,7 +352,7 @@ def present_steps(pool: ThreadPoolExecutor, chunk: int, steps: dict[str, tuple])
 def python(module: str, *argv: str) -> float:
     """Run ``python -m module argv`` as its own process (its output goes to this log) once a slot is free, or fail;
     -> the seconds the process ran (not those it waited for a slot)."""
-    with slot():
+    with slot(short=module in SHORT_STEPS):
         return run_step(module, *argv)
 
 
@@ -923,7 +931,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, work: Path) -> int:
     STOPPING.clear()  # a run in this process after a stopped one
-    FREE.update(slots=args.jobs, ahead=args.jobs - 1, waiting=0, queued=[], submitted=-1)
+    FREE.update(slots=args.jobs, ahead=args.jobs - 1, waiting=0, short=0, queued=[], submitted=-1)
     args.dtype = resolve_precision(args.precision)
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)  # for every step's process
     work.mkdir(parents=True, exist_ok=True)
