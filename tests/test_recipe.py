@@ -345,8 +345,13 @@ def test_a_stopped_run_commits_what_it_had_finished(tmp_path, monkeypatch):
     assert recipe.answers_part(Namespace(checkpoints=str(ckpt)), 0).read_text() == "answers\n"
 
 
+def free(**counts) -> dict:
+    """The recipe's process bookkeeping (recipe.FREE) of --jobs 2 with nothing waiting, but for ``counts``."""
+    return {"slots": 2, "ahead": 1, "waiting": 0, "short": 0, "turns": [], "queued": []} | counts
+
+
 def test_a_step_of_a_chunk_built_ahead_waits_while_a_step_of_the_present_chunk_waits(monkeypatch):
-    monkeypatch.setattr(recipe, "FREE", {"slots": 1, "ahead": 1, "waiting": 1, "short": 0, "queued": []})  # a present step waits
+    monkeypatch.setattr(recipe, "FREE", free(slots=1, waiting=1))  # a present step waits
     ran = threading.Event()
 
     def step_built_ahead() -> None:
@@ -362,16 +367,16 @@ def test_a_step_of_a_chunk_built_ahead_waits_while_a_step_of_the_present_chunk_w
         recipe.SLOTS.notify_all()
     assert ran.wait(30)
     thread.join(30)
-    assert recipe.FREE == {"slots": 1, "ahead": 1, "waiting": 0, "short": 0, "queued": []}
+    assert recipe.FREE == free(slots=1)
     recipe.AHEAD.chunk = None
     with recipe.slot():  # a step of the present takes a free process at once
-        assert recipe.FREE == {"slots": 0, "ahead": 1, "waiting": 0, "short": 0, "queued": []}
+        assert recipe.FREE == free(slots=0)
 
 
 def test_a_trained_heads_scoring_goes_before_the_next_heads_training(monkeypatch):
     """Both processes train: when one ends, the head it trained is scored (then exported and committed) before another
     head starts a training that would hold the process for an hour."""
-    monkeypatch.setattr(recipe, "FREE", {"slots": 0, "ahead": 1, "waiting": 0, "short": 0, "queued": []})
+    monkeypatch.setattr(recipe, "FREE", free(slots=0))
     order = []
 
     def step(module: str) -> None:
@@ -392,13 +397,56 @@ def test_a_trained_heads_scoring_goes_before_the_next_heads_training(monkeypatch
     for thread in threads:
         thread.join(30)
     assert order == ["training.evaluate", "training.train"]
-    assert recipe.FREE == {"slots": 1, "ahead": 1, "waiting": 0, "short": 0, "queued": []}
+    assert recipe.FREE == free(slots=1)
+
+
+def test_the_present_chunks_trainings_start_in_the_order_they_were_submitted(monkeypatch):
+    """Longest first (``longest_first``), whichever thread asks first: the chunk ends with a short training."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(recipe, "FREE", free(slots=0, submitted=-1))
+    order, asked = [], []
+
+    def training(name: str) -> None:
+        asked.append(name)
+        if name == "griffin":
+            time.sleep(0.3)  # the first turn asks for a process last
+        recipe.python("training.train", name)
+
+    monkeypatch.setattr(recipe, "run_step", lambda module, name: order.append(name))
+    with ThreadPoolExecutor(3) as pool:
+        futures = recipe.present_steps(pool, 0, {name: (training, name) for name in ("griffin", "hass", "eagle2")})
+        deadline = time.time() + 30
+        while len(asked) < 3 and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)
+        with recipe.SLOTS:
+            recipe.FREE["slots"] = 1  # one process for all three, one after another
+            recipe.SLOTS.notify_all()
+        for future in futures.values():
+            future.result(30)
+    assert order == ["griffin", "hass", "eagle2"] and recipe.FREE == free(slots=1, submitted=0)
+
+
+def test_longest_first_orders_heads_by_their_last_training_on_a_chunk_of_the_same_kind():
+    heads = {h.name: h for h in recipe.HEADS}
+    cfg = {"regen_records": 1, "chunk_shards": 1, "shards": 4}  # even chunks ShareGPT, odd ones the target's answers
+    state = {"timings": [
+        {"chunk": 2, "kind": "sharegpt", "train_s": {"griffin": 900, "hass": 1400, "eagle2": 400, "griffin-k1": 500}},
+        {"chunk": 3, "kind": "regen", "train_s": {"griffin": 350, "hass": 340, "eagle2": 120, "griffin-k1": 160}},
+        {"chunk": 4, "kind": "sharegpt", "train_s": {"griffin": 1000, "eagle2": 410}},
+    ]}
+    todo = [heads[name] for name in ("griffin", "griffin-k1", "eagle-tat", "hass", "eagle2")]
+    names = [h.name for h in recipe.longest_first(state, cfg, 6, todo)]
+    assert names == ["eagle-tat", "hass", "griffin", "griffin-k1", "eagle2"]  # eagle-tat: no time yet
+    assert [h.name for h in recipe.longest_first(state, cfg, 5, todo)][1:] == ["griffin", "hass", "griffin-k1",
+                                                                              "eagle2"]
 
 
 def test_builds_ahead_never_hold_the_last_process(monkeypatch):
     """The present chunk's steps come one after another (an export, then the next head): between two of them no step
     of the present waits, and builds ahead must not take every process in that moment."""
-    monkeypatch.setattr(recipe, "FREE", {"slots": 2, "ahead": 1, "waiting": 0, "short": 0, "queued": []})  # --jobs 2
+    monkeypatch.setattr(recipe, "FREE", free(slots=2))  # --jobs 2
     started = [threading.Event(), threading.Event()]
     done = threading.Event()
 
@@ -424,11 +472,11 @@ def test_builds_ahead_never_hold_the_last_process(monkeypatch):
     done.set()
     for thread in builds:
         thread.join(30)
-    assert all(e.is_set() for e in started) and recipe.FREE == {"slots": 2, "ahead": 1, "waiting": 0, "short": 0, "queued": []}
+    assert all(e.is_set() for e in started) and recipe.FREE == free(slots=2)
 
 
 def test_the_nearest_chunk_built_ahead_takes_a_free_process_first(monkeypatch):
-    monkeypatch.setattr(recipe, "FREE", {"slots": 0, "ahead": 1, "waiting": 0, "short": 0, "queued": []})  # its process is busy
+    monkeypatch.setattr(recipe, "FREE", free(slots=0))  # its process is busy
     order = []
 
     def step_built_ahead(chunk: int) -> None:
@@ -451,14 +499,14 @@ def test_the_nearest_chunk_built_ahead_takes_a_free_process_first(monkeypatch):
         recipe.SLOTS.notify_all()
     for thread in threads:
         thread.join(30)
-    assert order == [25, 26] and recipe.FREE == {"slots": 1, "ahead": 1, "waiting": 0, "short": 0, "queued": []}
+    assert order == [25, 26] and recipe.FREE == free(slots=1)
 
 
 def test_a_chunk_built_ahead_after_the_present_ones_kind_starts_once_the_present_training_is_asked_for(monkeypatch):
     """Else it would take the process that the present chunk's data frees before the present's heads ask for it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    monkeypatch.setattr(recipe, "FREE", {"slots": 2, "ahead": 1, "waiting": 0, "short": 0, "queued": [], "submitted": -1})
+    monkeypatch.setattr(recipe, "FREE", free(slots=2, submitted=-1))
     built = []
     monkeypatch.setattr(recipe, "build_chunk", lambda args, cfg, chunk, seconds, records: built.append(chunk))
     monkeypatch.setattr(recipe, "chunk_records", lambda state, cfg, chunk: 0)
@@ -476,7 +524,7 @@ def test_a_chunk_built_ahead_after_the_present_ones_kind_starts_once_the_present
         ahead[2][0].result(30)
         assert sorted(built) == [0, 1, 2, 3] and ran["griffin"].result(30) == "trained"
     # a step that started no process is not waiting
-    assert recipe.FREE == {"slots": 2, "ahead": 1, "waiting": 0, "short": 0, "queued": [], "submitted": 0}
+    assert recipe.FREE == free(slots=2, submitted=0)
 
 
 def test_a_failing_chunk_ends_the_steps_beside_it_and_starts_no_more(tmp_path, monkeypatch):

@@ -66,9 +66,10 @@ kind of answer). Each chunk's own held-out 5 % is reported too, but changes with
 else in fp32, ``--precision``): the rates of each step are in ``benchmarks/results/pipeline-throughput*.md``; the
 seconds each chunk's steps took are in ``recipe.json`` (``timings``) and its ``README.md``, written as the run goes.
 With ``--jobs`` 2 or more, steps overlap (the data of the next ``--ahead`` chunks beside this chunk's training, heads
-beside each other; a step of the chunk being trained on takes a free process first, scoring and exporting a trained
-head before the next head's training, building ahead never holds the last one and builds the nearest chunk first, so it only fills what training leaves idle): each step's seconds are
-still its own wall time, so a chunk's row no longer adds up to the time it took.
+beside each other; a step of the chunk being trained on takes a free process first, scoring and exporting a trained head
+before the next head's training, the longest training first, building ahead never holds the last one and builds the
+nearest chunk first, so it only fills what training leaves idle): each step's seconds are still its own wall time, so a
+chunk's row no longer adds up to the time it took.
 """
 
 from __future__ import annotations
@@ -276,18 +277,23 @@ FREE = {
     "ahead": 0,  # how many more of them steps of chunks built ahead may hold (--jobs - 1: one stays the present's)
     "waiting": 0,  # steps of the present chunk waiting for a process
     "short": 0,  # of those, the short ones (scoring, export: SHORT_STEPS), which go before a head's training
+    "turns": [],  # the turns of the present steps submitted that have not taken a process yet (the first goes first)
     "queued": [],  # the chunks of the steps built ahead that wait for a process (the nearest goes first)
     "submitted": -1,  # the last chunk whose training steps were submitted
 }
 SHORT_STEPS = {"training.evaluate", "training.export"}  # a minute or less: a head's scores and export come first
+TURNS = itertools.count()  # the order in which the present chunk's steps were submitted (present_steps)
 AHEAD = threading.local()  # .chunk: the chunk this thread builds ahead, if any; .announced: its step is counted waiting
 
 
-def may_take(chunk: int | None, short: bool = False) -> bool:
+def may_take(chunk: int | None, short: bool = False, turn: int | None = None) -> bool:
     """Under SLOTS: whether a step of ``chunk`` built ahead (None: a step of the present chunk; ``short``: one of
-    SHORT_STEPS) may take a process."""
-    return FREE["slots"] > 0 and (chunk is None and (short or not FREE["short"]) or chunk is not None
-                                  and FREE["ahead"] > 0 and not FREE["waiting"] and chunk == min(FREE["queued"]))
+    SHORT_STEPS; ``turn``: its place in the order the present steps were submitted) may take a process."""
+    if FREE["slots"] < 1:
+        return False
+    if chunk is None:
+        return short or not FREE["short"] and (turn is None or turn == min(FREE["turns"]))
+    return FREE["ahead"] > 0 and not FREE["waiting"] and chunk == min(FREE["queued"])
 
 
 @contextmanager
@@ -297,23 +303,26 @@ def slot(short: bool = False):
     ahead never delays the chunk being trained on (whose steps come one after another: an export, the next head's
     training) and builds the next chunk first. A ``short`` step of the present chunk (scoring or exporting a head
     that has finished training) goes before the next head's training, so that a head is committed when it is done,
-    not a training later."""
+    not a training later; the present chunk's trainings start in the order they were submitted (``present_steps``)."""
     chunk, announced = getattr(AHEAD, "chunk", None), getattr(AHEAD, "announced", False)
     ahead = chunk is not None
     short = short and not ahead
-    AHEAD.announced = False
+    turn = getattr(AHEAD, "turn", None) if announced else None  # a submitted step's first process keeps its turn
+    AHEAD.announced, AHEAD.turn = False, None
     with SLOTS:
         FREE["waiting"] += not ahead and not announced
         FREE["short"] += short
         if ahead:
             FREE["queued"].append(chunk)
         try:
-            SLOTS.wait_for(lambda: STOPPING.is_set() or may_take(chunk, short))
+            SLOTS.wait_for(lambda: STOPPING.is_set() or may_take(chunk, short, turn))
         finally:
             FREE["waiting"] -= not ahead
             FREE["short"] -= short
             if ahead:
                 FREE["queued"].remove(chunk)
+            if turn is not None:
+                FREE["turns"].remove(turn)
         FREE["slots"] -= 1
         FREE["ahead"] -= ahead
         SLOTS.notify_all()  # a step built ahead may take the slots left once nothing else waits
@@ -329,21 +338,27 @@ def slot(short: bool = False):
 def present_steps(pool: ThreadPoolExecutor, chunk: int, steps: dict[str, tuple]) -> dict[str, Future]:
     """Submit the present chunk's steps (name -> (function, *arguments)), each counted as waiting for a process from
     now on, before its thread asks for one: a build ahead that waited for this chunk (``submit_build``) finds them
-    waiting, and so cannot take the process that the chunk's data has just freed."""
-    def announced(function, *arguments):
-        AHEAD.announced = True
+    waiting, and so cannot take the process that the chunk's data has just freed. Their first processes start in
+    the order of ``steps`` (each step's turn), whichever thread asks first."""
+    def announced(turn: int, function, *arguments):
+        AHEAD.announced, AHEAD.turn = True, turn
         try:
             return function(*arguments)
         finally:
-            if AHEAD.announced:  # it started no process: its count ends here
-                AHEAD.announced = False
+            if AHEAD.announced:  # it started no process: its count and turn end here
+                AHEAD.announced, AHEAD.turn = False, None
                 with SLOTS:
                     FREE["waiting"] -= 1
+                    FREE["turns"].remove(turn)
                     SLOTS.notify_all()
 
     with SLOTS:
         FREE["waiting"] += len(steps)
-        futures = {name: pool.submit(announced, *step) for name, step in steps.items()}
+        futures = {}
+        for name, step in steps.items():
+            turn = next(TURNS)
+            FREE["turns"].append(turn)
+            futures[name] = pool.submit(announced, turn, *step)
         FREE["submitted"] = max(FREE["submitted"], chunk)
         SLOTS.notify_all()
     return futures
@@ -610,6 +625,19 @@ def fixed_val(args, run: Path, head: Head, steps: int, stores: dict[str, Path]) 
                    str(head.topk), "--mixed-precision", autocast(args), "--out", str(report))
         scores[kind] = [{k: p[k] for k in ("pass", "top1", "kept")} for p in json.loads(report.read_text())["passes"]]
     return scores
+
+
+def longest_first(state: dict, cfg: dict, chunk: int, heads: list[Head]) -> list[Head]:
+    """``heads`` by the seconds each trained on the last chunk of ``chunk``'s kind, longest first (a head without such
+    a time first of all): the order their trainings start in with --jobs 2 or more, so that a chunk does not wait at
+    its end for a long training that started last."""
+    kind = chunk_source(cfg, chunk)[0]
+    rows = [r for r in state["timings"] if r["kind"] == kind and r["chunk"] < chunk]
+
+    def seconds(head: Head) -> float:
+        return next((r["train_s"][head.name] for r in reversed(rows) if head.name in r["train_s"]), math.inf)
+
+    return sorted(heads, key=seconds, reverse=True)
 
 
 def chunk_timing(state: dict, cfg: dict, chunk: int) -> dict:
@@ -931,7 +959,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, work: Path) -> int:
     STOPPING.clear()  # a run in this process after a stopped one
-    FREE.update(slots=args.jobs, ahead=args.jobs - 1, waiting=0, short=0, queued=[], submitted=-1)
+    FREE.update(slots=args.jobs, ahead=args.jobs - 1, waiting=0, short=0, turns=[], queued=[], submitted=-1)
     args.dtype = resolve_precision(args.precision)
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)  # for every step's process
     work.mkdir(parents=True, exist_ok=True)
@@ -1006,7 +1034,7 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
     backfill_fixed_val(args, state, fixed_stores)
     save_state(path, cfg, state)
     steps = present_steps(pool, chunk, {h.name: (train_and_score, args, cfg, state, h, chunk, store, fixed_stores)
-                                        for h in todo}) if args.jobs > 1 else {}
+                                        for h in longest_first(state, cfg, chunk, todo)}) if args.jobs > 1 else {}
     for head in todo:
         run, fixed = steps[head.name].result() if steps else train_and_score(args, cfg, state, head, chunk, store,
                                                                              fixed_stores)
