@@ -469,14 +469,30 @@ def add_seconds(timing: dict, key: str, seconds: float, fresh: bool) -> None:
     timing[key] = round(seconds) + (0 if fresh else timing.get(key, 0))
 
 
+def answered_seconds(args, cfg: dict, shards: range, records: int) -> int | None:
+    """The seconds the target took to answer a chunk's parts (the first turns of its group's first ``records``
+    records): the sum of their cost files on this machine, whichever run answered them; None where one is missing
+    (parts answered elsewhere, or before costs were recorded)."""
+    parts = min(math.ceil(records / cfg["shard_records"]), len(shards))
+    costs = [part_cost_file(Path(args.work) / "regen", i) for i in range(shards.start, shards.start + parts)]
+    if not all(c.is_file() for c in costs):
+        return None
+    return round(sum(json.loads(c.read_text())["seconds"] for c in costs))
+
+
 def regenerated(args, cfg: dict, chunk: int, shards: range, records: int, timing: dict | None = None) -> Path:
     """The target's answers to the first turns of the group's first ``records`` records, as one JSONL file (also
-    copied to ``answers_file``); ``timing["regenerate_s"]`` gets the sum of its parts' seconds (each part's cost
-    file, whichever run or machine answered it), or the seconds of the run here where a part has none."""
+    copied to ``answers_file``); ``timing["regenerate_s"]`` gets the sum of its parts' seconds (``answered_seconds``),
+    also where an earlier run answered them all but stopped before its seconds were saved, or the seconds of the run
+    here where a part has none."""
     merged, committed = regen_file(args, chunk), answers_file(args, chunk)
     if not merged.is_file() and committed.is_file():
         merged.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(committed, merged)
+    if merged.is_file() and timing is not None and "regenerate_s" not in timing:
+        total = answered_seconds(args, cfg, shards, records)
+        if total is not None:
+            timing["regenerate_s"] = total
     if not merged.is_file():
         parts = min(math.ceil(records / cfg["shard_records"]), len(shards))
         out = Path(args.work) / "regen"
@@ -491,9 +507,9 @@ def regenerated(args, cfg: dict, chunk: int, shards: range, records: int, timing
                          "--dtype", args.dtype, "--batch-size", str(args.regen_batch), "--max-new-tokens",
                          str(cfg["regen_new_tokens"]))
         if timing is not None:
-            costs = [part_cost_file(out, i) for i in range(shards.start, shards.start + parts)]
-            if all(c.is_file() for c in costs):  # every part's own seconds, whichever run or machine answered it
-                timing["regenerate_s"] = round(sum(json.loads(c.read_text())["seconds"] for c in costs))
+            total = answered_seconds(args, cfg, shards, records)
+            if total is not None:  # every part's own seconds, whichever run or machine answered it
+                timing["regenerate_s"] = total
             else:  # parts answered before their cost was recorded: this run's seconds
                 add_seconds(timing, "regenerate_s", seconds, fresh)
         text = "".join(f.read_text() for f in files)
@@ -1030,6 +1046,10 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
         store = build_chunk(args, cfg, chunk, timing, chunk_records(state, cfg, chunk))
     manifest = json.loads((store / MANIFEST).read_text())
     timing["tokens"], timing["conversations"] = manifest["num_tokens"], manifest["num_samples"]
+    kind, shards = chunk_source(cfg, chunk)
+    answered = answered_seconds(args, cfg, shards, chunk_records(state, cfg, chunk)) if kind == "regen" else None
+    if answered is not None:  # the total, not a sum of what each run reported: runs that stopped count once
+        timing["regenerate_s"] = answered
     fixed_stores = fixed_val_stores(args, cfg, state, chunk)
     backfill_fixed_val(args, state, fixed_stores)
     save_state(path, cfg, state)
