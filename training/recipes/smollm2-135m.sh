@@ -9,11 +9,11 @@
 #   nohup bash training/recipes/smollm2-135m.sh --commit > work/recipe.log 2>&1 &
 #   python -m training.recipe --plan     # what is done and what comes next
 #
-# Time here, one thread, 2 CPU cores shared with other engineers' jobs (2026-11-23; load average about 15 while these
-# ran, so a quiet machine is several times faster): ShareGPT features 190 target tokens/s (490 at a load near 2);
-# K=1 training 255 tokens/s (chunk 0, 412k tokens of ShareGPT: about 25 min per head); regeneration (bf16, batch 16)
-# 3-4 new tokens/s. All of it: 18 groups of 4 shards, about 7.2M ShareGPT tokens and 4,600 regenerated first turns;
-# at quiet-machine rates roughly a day of one thread, so it runs across many sessions. The seconds of every step of
-# every chunk are recorded as it runs in checkpoints/smollm2-135m-instruct-wip/recipe.json and README.md.
+# Time here: every step runs at one thread, two at a time (--jobs 2) on 2 CPU cores shared with other jobs. The
+# complete recipe (36 chunks, 15.76M training tokens per head, 2026-11-23 to 2026-11-26, several machines, bf16 where
+# the CPU has bf16 instructions, else fp32) recorded 33.8 hours of one thread: features 8.8 h, the target's answers
+# 6.0 h, training the heads 19.0 h (a few early steps ran before their seconds were recorded). The seconds of every
+# step of every chunk are in checkpoints/smollm2-135m-instruct-wip/recipe.json and README.md.
+# Once every head has consumed every chunk: python -m training.recipe --promote   # -> checkpoints/<target>-<head>
 set -euo pipefail
 exec python -m training.recipe "$@"
