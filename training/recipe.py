@@ -283,7 +283,7 @@ FREE = {
 }
 SHORT_STEPS = {"training.evaluate", "training.export"}  # a minute or less: a head's scores and export come first
 TURNS = itertools.count()  # the order in which the present chunk's steps were submitted (present_steps)
-AHEAD = threading.local()  # .chunk: the chunk this thread builds ahead, if any; .announced: its step is counted waiting
+AHEAD = threading.local()  # .chunk: the chunk it builds ahead, if any; .announced, .turn: its step waits, in that turn
 
 
 def may_take(chunk: int | None, short: bool = False, turn: int | None = None) -> bool:
