@@ -483,16 +483,12 @@ def answered_seconds(args, cfg: dict, shards: range, records: int) -> int | None
 def regenerated(args, cfg: dict, chunk: int, shards: range, records: int, timing: dict | None = None) -> Path:
     """The target's answers to the first turns of the group's first ``records`` records, as one JSONL file (also
     copied to ``answers_file``); ``timing["regenerate_s"]`` gets the sum of its parts' seconds (``answered_seconds``),
-    also where an earlier run answered them all but stopped before its seconds were saved, or the seconds of the run
-    here where a part has none."""
+    or the seconds of the run here where a part has none. (``run_chunk`` sets the sum again once the chunk is built,
+    for answers that a run which then stopped had finished.)"""
     merged, committed = regen_file(args, chunk), answers_file(args, chunk)
     if not merged.is_file() and committed.is_file():
         merged.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(committed, merged)
-    if merged.is_file() and timing is not None and "regenerate_s" not in timing:
-        total = answered_seconds(args, cfg, shards, records)
-        if total is not None:
-            timing["regenerate_s"] = total
     if not merged.is_file():
         parts = min(math.ceil(records / cfg["shard_records"]), len(shards))
         out = Path(args.work) / "regen"
