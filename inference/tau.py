@@ -5,7 +5,7 @@
         --total-tokens 24 --depth 5 --top-k 8 --out benchmarks/results/a-vs-b
     python -m inference.tau --bench gsm8k --temperatures 0 1      # only build (or finish) the continuation cache
     python -m inference.tau --heads checkpoints/smollm2-135m-instruct-griffin \\
-        --references benchmarks/results/ablation/mt_bench-smollm2-135m-instruct-griffin-T0.json --engine-check 10
+        --references benchmarks/results/humaneval-smollm2-135m-instruct-griffin-T0.json --engine-check 10
 
 Python: ``evaluate_heads({"a": "checkpoints/a", "b": draft_model}, bench="mt_bench", temperature=0, limit=20)``
 returns ``{name: TauResult}`` (``.tau``, ``.tau_se``, ``.alpha()``, ``.accepted_hist()``, ``.prompts``).
