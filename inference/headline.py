@@ -94,11 +94,19 @@ def section(results_dir: Path, head: str, checkpoints: Path) -> tuple[str, list[
     text += "\nτ: new tokens per target forward pass. Commands:\n\n" + "".join(f"- `{c}`\n" for c in once)
     ablation = results_dir / "ablation.md"
     if ablation.is_file():
-        table = "".join(line + "\n" for line in ablation.read_text().splitlines() if line.startswith("|"))
+        table = "".join(line + "\n" for line in first_table(ablation.read_text()))
         text += ("\nAblation: acceptance length τ of heads trained on the same data and budget, all with the same "
                  f"tree ([{ablation.as_posix()}]({ablation.as_posix()})):\n\n{table}"
                  f"\n![ablation]({ablation.with_suffix('.png').as_posix()})\n")
     return text + "\n" + costs(results_dir), stale
+
+
+def first_table(markdown: str) -> list[str]:
+    """The lines of the first markdown table in ``markdown`` (the ablation's τ table; its paired table follows)."""
+    lines = markdown.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("|")), len(lines))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return lines[start:end]
 
 
 def costs(results_dir: Path) -> str:

@@ -176,7 +176,8 @@ def load_bench(bench: str, limit: int | None = None) -> tuple[str, list[dict]]:
             turns = record.get("turns") or ([record["prompt"]] if "prompt" in record else None)
             if not turns or not all(isinstance(t, str) for t in turns):
                 raise ValueError(f"{path}:{i + 1} has neither 'turns' (a list of strings) nor 'prompt'")
-            questions.append({"question_id": record.get("question_id", i), "turns": turns})
+            questions.append({"question_id": record.get("question_id", i), "turns": turns,
+                              "category": record.get("category")})
         else:
             questions.append({"question_id": i, "turns": [line]})
     if not questions:
@@ -633,6 +634,20 @@ class Journal:
         self.path.unlink()
 
 
+def by_category(per_prompt: list[dict], categories: Mapping[int | str, str | None]) -> dict[str, dict]:
+    """Per-prompt records -> {category: {"tau", "n_prompts"}}, τ pooled as over all prompts (new tokens / cycles),
+    categories in the order of the bench's questions. Empty unless the prompts span two or more categories."""
+    groups: dict[str, list[dict]] = {c: [] for c in dict.fromkeys(categories.values()) if c is not None}
+    for p in per_prompt:
+        if categories.get(p["question_id"]) is not None:
+            groups[categories[p["question_id"]]].append(p)
+    groups = {c: rows for c, rows in groups.items() if rows}
+    if len(groups) < 2:
+        return {}
+    return {c: {"tau": sum(r["new_tokens"] for r in rows) / sum(r["cycles"] for r in rows), "n_prompts": len(rows)}
+            for c, rows in groups.items()}
+
+
 def head_names(paths: list[str]) -> dict[str, str]:
     """Folder names, or the full paths where two folders share a name."""
     names = [Path(p).name for p in paths]
@@ -694,6 +709,15 @@ def table(result: dict) -> str:
                        f"{r['replay_tau']:.3f} ± {r['replay_tau_se']:.3f}", f"{r['same_tau']}/{r['n_prompts']}",
                        f"{r['mean_abs_diff']:.3f}", f"{r['max_abs_diff']:.3f}"] for name, t, r in refs]) +
                  "\nSpeed runs:\n\n" + "".join(f"- `{c}`\n" for c in sorted({r["command"] for _, _, r in refs})))
+    for t in temps:
+        per_head = {name: runs[t]["categories"] for name, runs in result["heads"].items() if runs[t].get("categories")}
+        if per_head:
+            names = list(next(iter(per_head.values())))
+            counts = ", ".join(f"{c} {next(iter(per_head.values()))[c]['n_prompts']}" for c in names)
+            text += (f"\n## τ by category, T={t}\n\nPrompts per category: {counts}.\n\n"
+                     + markdown_table(["head", *names], [[name, *(f"{cats[c]['tau']:.2f}" if c in cats else "-"
+                                                                  for c in names)]
+                                                         for name, cats in per_head.items()]))
     checks = [(name, t, runs[t]["engine_check"]) for name, runs in result["heads"].items() for t in temps
               if "engine_check" in runs[t]]
     if checks:
@@ -716,7 +740,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    load_bench(args.bench, args.limit)  # bad input fails before any model is loaded
+    categories = {q["question_id"]: q.get("category") for q in load_bench(args.bench)[1]}  # bad input fails here
     for path in args.heads:
         if not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a draft head folder: config.json is missing")
@@ -747,6 +771,7 @@ def main(argv: list[str] | None = None) -> int:
                                  ("replay", name, key, r.question_id, r.turn), asdict(r)))
         for name, res in evaluated.items():
             results[name][key] = res.as_dict()
+            results[name][key]["categories"] = by_category(results[name][key]["per_prompt"], categories)
             print(f"{name} T={key}: τ {res.tau:.3f} ± {res.tau_se:.3f} over {len(samples)} prompts")
             if reference is not None:
                 results[name][key]["reference"] = compare_reference(res, reference)

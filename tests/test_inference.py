@@ -242,6 +242,7 @@ def test_ablation_report_and_readme_section_count_only_runs_of_the_present_weigh
     assert ("| mt_bench | 0.00 | fp32 | Intel Xeon | 1 | 80 | 128 | 24 nodes, depth 5 | 3.50 | **1.50x** (own loop) | "
             "2.00x |") in text  # the CPU without trademark signs
     assert "| 20.0 (linear) | 1.20x | 1.00 |" in text  # prompt lookup: a ratio of tokens/s (18 / 15), not of times
+    assert "| GRIFFIN | 3.00 ± 0.10 |" in text and "+0.800 ± 0.000" not in text  # the τ table, not the paired one
     from inference.report import result_stem
 
     assert result_stem("gsm8k", "h", 0.0, "fp32") == "gsm8k-h-T0" and result_stem("gsm8k", "h", 1.0, "bf16") == \

@@ -253,3 +253,22 @@ def test_paired_differences_pair_prompts_by_question_and_turn():
     assert row["se"] == pytest.approx(statistics.stdev(diffs) / 3 ** 0.5)
     assert row["ratio"] == pytest.approx(3.0 / (15.5 / 4))
     assert tau.paired_differences({"n_prompts": {"0": 3}, "heads": {"a": {"0": run(base)}}}) == {}
+
+
+def test_tau_by_category_pools_tokens_over_cycles_and_needs_two_categories():
+    rows = [{"question_id": 1, "turn": 0, "new_tokens": 10, "cycles": 5, "tau": 2.0},
+            {"question_id": 1, "turn": 1, "new_tokens": 8, "cycles": 2, "tau": 4.0},
+            {"question_id": 2, "turn": 0, "new_tokens": 9, "cycles": 3, "tau": 3.0},
+            {"question_id": 3, "turn": 0, "new_tokens": 7, "cycles": 7, "tau": 1.0}]
+    categories = {2: "math", 1: "writing", 3: None, 4: "coding"}  # 3: no category; coding: no prompt ran
+    assert tau.by_category(rows, categories) == {"math": {"tau": 3.0, "n_prompts": 1},
+                                                 "writing": {"tau": 18 / 7, "n_prompts": 2}}
+    assert list(tau.by_category(rows, categories)) == ["math", "writing"]  # the bench's order
+    assert tau.by_category(rows, {1: "writing", 2: "writing"}) == {}
+    result = {"bench": "b", "tree": {"depth": 1, "top_k": 1, "total_tokens": 1}, "max_new_tokens": 8, "target": "t",
+              "dtype": "fp32", "draft_dtype": "fp32", "n_prompts": {"0": 4}, "command": "c", "seconds": 1.0,
+              "machine": {"cpu": "x", "cores": 1, "torch_threads": 1, "torch": "2", "date": "d"},
+              "heads": {"h": {"0": {"tau": 2.0, "tau_se": 0.1, "alpha": [0.5], "per_prompt": rows,
+                                    "categories": tau.by_category(rows, categories)}}}}
+    text = tau.table(result)
+    assert "## τ by category, T=0" in text and "| h | 3.00 | 2.57 |" in text
