@@ -3,6 +3,7 @@ run that continues on a fresh machine from the committed heads without rebuildin
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import logging
@@ -186,6 +187,11 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
 
     calls.clear()
     assert recipe.main(argv) == 0 and calls == []  # all done: nothing runs
+    assert (ckpt / "README.md").read_text().startswith("# The recipe's heads (complete")
+    cfg = json.loads((ckpt / recipe.STATE).read_text())["settings"]
+    behind = copy.deepcopy(state)
+    behind["heads"]["hass"]["chunks"].pop()
+    assert recipe.progress_markdown(cfg, behind).startswith("# Heads in training (work in progress)")
     assert recipe.main(argv + ["--promote"]) == 0  # shipped beside the work folder, named as the ablation reads them
     assert [m for m, _ in calls] == ["training.export"] * len(recipe.HEADS)
     for head in recipe.HEADS:

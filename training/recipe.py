@@ -757,6 +757,7 @@ def promote(args, cfg: dict, state: dict) -> int:
                "ShareGPT record and the target's own answers to first turns), one row per chunk above; learning "
                f"curve and the time of every step in {args.checkpoints}/README.md.")
         log.info("shipped %s -> %s", head_folder(args, head.name), dst)
+    atomic_write_text(Path(args.checkpoints) / "README.md", progress_markdown(cfg, state))
     return 0
 
 
@@ -826,7 +827,10 @@ def progress_markdown(cfg: dict, state: dict) -> str:
                              t.get("regenerate_s", "-"),
                              t.get("features_s", "-"), ", ".join(f"{k} {v}" for k, v in t["train_s"].items())]
                             for t in state["timings"]])
-    return (f"# Heads in training (work in progress)\n\nWritten by `python -m training.recipe` after every chunk; "
+    finished = all(chunks_done(state, h) >= cfg["chunks"] for h in HEADS)
+    title = ("# The recipe's heads (complete: `python -m training.recipe --promote` ships them)" if finished
+             else "# Heads in training (work in progress)")
+    return (f"{title}\n\nWritten by `python -m training.recipe` after every chunk; "
             f"`recipe.json` holds the same and is what a rerun continues from. {plan_text(cfg, state)}\n\n"
             f"{heads}\n## Learning curve\n\nValidation top-1 against training tokens seen. The fixed sets are the same "
             "for every point, so they give the learning curve: `fixed sharegpt` is chunk 0's held-out ShareGPT "
