@@ -47,6 +47,7 @@ def test_small_inputs_are_computed_weight_major_and_others_by_f_linear(monkeypat
             if not switched:
                 assert torch.equal(got, expected)
     assert all("forward" not in vars(m) for m in model)  # the modules' own forward is back
+    assert not any(name in vars(m) for m in model for name in kernels._SWITCHED)  # and nothing else is left
 
 
 def test_a_whole_model_gives_the_same_logits_and_nothing_is_switched_when_off():
