@@ -712,8 +712,9 @@ def table(result: dict) -> str:
     for t in temps:
         per_head = {name: runs[t]["categories"] for name, runs in result["heads"].items() if runs[t].get("categories")}
         if per_head:
-            names = list(next(iter(per_head.values())))
-            counts = ", ".join(f"{c} {next(iter(per_head.values()))[c]['n_prompts']}" for c in names)
+            first = next(iter(per_head.values()))
+            counts = ", ".join(f"{c} {row['n_prompts']}" for c, row in first.items())
+            names = list(first)
             text += (f"\n## τ by category, T={t}\n\nPrompts per category: {counts}.\n\n"
                      + markdown_table(["head", *names], [[name, *(f"{cats[c]['tau']:.2f}" if c in cats else "-"
                                                                   for c in names)]
@@ -740,7 +741,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    categories = {q["question_id"]: q.get("category") for q in load_bench(args.bench)[1]}  # bad input fails here
+    bench, questions = load_bench(args.bench)  # bad input fails before any model is loaded
+    categories = {q["question_id"]: q.get("category") for q in questions}
     for path in args.heads:
         if not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a draft head folder: config.json is missing")
@@ -752,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
     heads = {name: prepare_head(path, model, args.draft_dtype) for name, path in paths.items()}
     results: dict[str, dict] = {name: {} for name in heads}
     n_prompts = {}
-    out = Path(args.out or f"benchmarks/results/tau-{load_bench(args.bench)[0]}-{'-'.join(heads)}")
+    out = Path(args.out or f"benchmarks/results/tau-{bench}-{'-'.join(heads)}")
     journal = None
     if heads:
         settings = {k: v for k, v in vars(args).items() if k not in ("argv", "out", "threads", "continuations")}
@@ -785,7 +787,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"continuations ready under {args.continuations}")
         return 0
     draft_dtype = str(next(iter(heads.values())).fusion.fc.weight.dtype).removeprefix("torch.")
-    result = {"bench": load_bench(args.bench)[0], "target": args.target, "dtype": args.dtype,
+    result = {"bench": bench, "target": args.target, "dtype": args.dtype,
               "draft_dtype": draft_dtype, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
               "tree": {"depth": args.depth, "top_k": args.top_k, "total_tokens": args.total_tokens},
               "limits": {f"{t:g}": limit for t, limit, _ in runs}, "n_prompts": n_prompts, "head_paths": paths,
