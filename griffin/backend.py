@@ -100,6 +100,8 @@ class TargetBackend:
         self.packed_gqa = PackedGQA(model) if packed_gqa else contextlib.nullcontext()
         self.cache: BufferCache | None = None
         self._cache_key: tuple | None = None
+        # the target layers whose inputs a fused-feature head reads (set by the generator); None: the last hidden state
+        self.feature_layers: list[int] | None = None
         # torch.compile's options for verification passes: a mode name ("reduce-overhead": CUDA graphs) or a dict
         self.compile = {"mode": compile} if isinstance(compile, str) else compile
         self._compiled = None
@@ -117,17 +119,18 @@ class TargetBackend:
         return self.cache
 
     def prefill(self, ids: torch.Tensor, cache: BufferCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids [P] into an empty cache -> hidden [P, H], logits of the last position [1, V]. A plain causal forward."""
+        """ids [P] into an empty cache -> features [P, H] (or [P, 3H], see :meth:`_decode`), logits of the last position
+        [1, V]. A plain causal forward."""
         cache = self.cache if cache is None else cache
         positions = torch.arange(cache.length, cache.length + ids.shape[0], device=ids.device)
-        hidden = cached_forward(self.decoder, cache, input_ids=ids[None],
-                                position_ids=positions[None]).last_hidden_state[0]  # [P, H]
-        return hidden, output_logits(self.model, hidden[-1:])
+        features, hidden = self._decode(cache, input_ids=ids[None], position_ids=positions[None])
+        return features, output_logits(self.model, hidden[-1:])
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 cache: BufferCache | None = None, last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [q] at positions [q] after the cached entries, tree_mask [q, q] bool (which new tokens each new
-        token sees; every cached entry is visible) -> hidden [q, H], logits [q, V] (or [1, V] for the last one)."""
+        token sees; every cached entry is visible) -> features [q, H] (or [q, 3H], see :meth:`_decode`), logits
+        [q, V] (or [1, V] for the last one)."""
         cache = self.cache if cache is None else cache
         if self.compile is not None and cache is self.cache and not last_logits_only:
             return self._static_forward(tokens, positions, tree_mask, cache)
@@ -135,10 +138,20 @@ class TargetBackend:
         mask = verification_mask(self.model, cache.length, tree_mask, self.lm_head.weight.dtype)
         small = q <= max(self.weight_major.max_rows, 1)  # one token: the one-row kernel; 2..max_rows: their kernels
         with self.weight_major if small else contextlib.nullcontext(), self.packed_gqa:
-            hidden = cached_forward(self.decoder, cache, input_ids=tokens[None], position_ids=positions[None],
-                                    attention_mask=mask).last_hidden_state[0]  # [q, H]
+            features, hidden = self._decode(cache, input_ids=tokens[None], position_ids=positions[None],
+                                            attention_mask=mask)
             logits = output_logits(self.model, hidden[-1:] if last_logits_only else hidden)
-        return hidden, logits
+        return features, logits
+
+    def _decode(self, cache: BufferCache, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder over ``inputs`` (one sequence) -> (the drafter's features [q, H] or, with ``feature_layers``,
+        the hidden states entering those layers concatenated [q, 3H]; the last hidden state [q, H])."""
+        layers = self.feature_layers
+        out = cached_forward(self.decoder, cache, **inputs, output_hidden_states=layers is not None)
+        hidden = out.last_hidden_state[0]
+        if layers is None:
+            return hidden, hidden
+        return torch.cat([out.hidden_states[i][0] for i in layers], dim=-1), hidden
 
     def _static_forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                         cache: BufferCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,6 +182,6 @@ class TargetBackend:
 
     def _verification_pass(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                            cache: BufferCache) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = cached_forward(self.decoder, cache, input_ids=tokens[None], position_ids=positions[None],
-                                attention_mask=mask).last_hidden_state[0]  # [q, H]
-        return hidden, output_logits(self.model, hidden)
+        features, hidden = self._decode(cache, input_ids=tokens[None], position_ids=positions[None],
+                                        attention_mask=mask)
+        return features, output_logits(self.model, hidden)

@@ -11,10 +11,17 @@ from typing import Any
 
 from transformers import LlamaConfig
 
-ARCHS = ("griffin", "eagle")
+from .constants import FUSED_ARCHS
+from .constants import HEAD_ARCHS as ARCHS
+
 POSITIVE_INTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
                  "head_dim", "tgf_intermediate_size", "max_position_embeddings", "num_hidden_layers")
 OPTIONAL = ("head_dim", "tgf_intermediate_size")  # derived when None
+
+
+def default_feature_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low, middle and high layers of an N-layer target: the inputs of decoder layers 2, N//2 and N-3."""
+    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
 
 
 @dataclass
@@ -43,6 +50,7 @@ class DraftConfig:
     draft_vocab_size: int = 0
     context_vocab: bool = True  # with a reduced vocabulary, context tokens become proposable too (griffin.vocab)
     num_hidden_layers: int = 1
+    feature_layers: list[int] | None = None  # eagle3 / griffin3: target layers whose inputs are fused
     target: dict[str, Any] = field(default_factory=dict)
     model_type: str = "griffin_draft"
 
@@ -66,16 +74,42 @@ class DraftConfig:
                              f"{self.num_attention_heads}: set head_dim")
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.arch == "griffin" and self.tgf_intermediate_size is None:
+        if self.is_griffin and self.tgf_intermediate_size is None:
             self.tgf_intermediate_size = self.intermediate_size
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [0, {self.vocab_size}] (0 = full vocabulary)")
+        if self.fused:
+            self._check_fused()
+        elif self.feature_layers is not None:
+            raise ValueError(f"feature_layers is for the fused archs {FUSED_ARCHS}, not {self.arch!r}")
+
+    def _check_fused(self) -> None:
+        layers = self.feature_layers
+        if not isinstance(layers, (list, tuple)) or len(layers) != 3 or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+            raise ValueError(f"field 'feature_layers' of a {self.arch} head must be three layer indices >= 0, "
+                             f"got {layers!r}")
+        self.feature_layers = list(layers)
+        if self.context_vocab:
+            raise ValueError(f"a {self.arch} head scores its draft vocabulary with its own lm_head: context_vocab "
+                             "must be false")
 
     @property
     def is_griffin(self) -> bool:
-        return self.arch == "griffin"
+        """Token-Guided Fusion and dual heads (``griffin``, and ``griffin3`` on the EAGLE-3 base)."""
+        return self.arch in ("griffin", "griffin3")
+
+    @property
+    def fused(self) -> bool:
+        """Reads fused features of three target layers and scores with its own norm and lm_head (EAGLE-3 base)."""
+        return self.arch in FUSED_ARCHS
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target features the head reads: 3H for the fused archs, H otherwise."""
+        return 3 * self.hidden_size if self.fused else self.hidden_size
 
     @property
     def output_vocab_size(self) -> int:
@@ -116,6 +150,10 @@ class DraftConfig:
                 "vocab_size": get("vocab_size"),
             },
         )
+        if arch in FUSED_ARCHS:
+            layers = get("num_hidden_layers")
+            fields.update(feature_layers=default_feature_layers(layers), fc_bias=False, context_vocab=False)
+            fields["target"]["num_hidden_layers"] = layers
         fields.update(overrides)
         return cls(**fields)
 

@@ -1,9 +1,15 @@
-"""Draft heads: EAGLE-1/2 (``arch="eagle"``) and GRIFFIN (``arch="griffin"``, Token-Guided Fusion + dual heads).
+"""Draft heads: EAGLE-1/2 (``arch="eagle"``), GRIFFIN (``arch="griffin"``, Token-Guided Fusion + dual heads), and
+their EAGLE-3-generation forms ``eagle3`` and ``griffin3`` (fused target layers, own norm and lm_head).
 
 At draft position ``t`` the head reads the token ``x_{t+1}`` (through the target's frozen embedding) and the feature
-``f_t`` that predicted it, and returns two features: ``predict`` (fed to the target's frozen lm_head for the logits of
-``x_{t+2}``) and ``regress`` (fed back as the feature of position ``t+1`` while drafting). EAGLE returns one feature
-for both. The target's embedding and lm_head are attached at run time (:meth:`DraftModel.attach`), never stored.
+``f_t`` that predicted it, and returns two features: ``predict`` (scored by the lm_head for the logits of ``x_{t+2}``)
+and ``regress`` (fed back as the feature of position ``t+1`` while drafting). EAGLE returns one feature for both.
+The target's embedding and lm_head are attached at run time (:meth:`DraftModel.attach`), never stored.
+
+The fused archs read, from the target, its hidden states entering three decoder layers (3H), which ``fc`` reduces to
+H; a fed-back ``regress`` feature (H) bypasses ``fc``. Their decoder layer attends over
+``cat(input_layernorm(e), hidden_norm(h))`` (2H) with ``h`` as the residual, and their ``predict`` is already normed
+by the head's final ``norm``, ready for its own trained lm_head over the draft vocabulary.
 
 Shapes: B batch, T new positions, S keys (cache + new), H hidden, nh/nkv heads, D head dim, V (draft) vocabulary.
 """
@@ -69,13 +75,31 @@ class TokenGuidedFusion(EagleFusion):
         return u + self.down(F.silu(z))
 
 
+class FusedFeatures(nn.Module):
+    """EAGLE-3's input: ``h = fc(f)`` for target features of three layers (3H), ``h = f`` for a fed-back feature (H);
+    the layer receives ``cat(e, h)`` [.., 2H] (it normalises the two halves itself). ``griffin3`` refines ``h`` with
+    Token-Guided Fusion on the token embedding first (``tgf``)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.fc = nn.Linear(3 * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
+        self.tgf = TokenGuidedFusion(cfg) if cfg.is_griffin else None
+
+    def forward(self, e: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        h = self.fc(f) if f.shape[-1] == self.fc.in_features else f
+        if self.tgf is not None:
+            h = self.tgf(e, h)
+        return torch.cat((e, h), dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=cfg.attention_bias)
+        width = 2 * cfg.hidden_size if cfg.fused else cfg.hidden_size  # fused archs: cat(norm(e), norm(h))
+        self.q_proj = nn.Linear(width, self.nh * self.d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(width, self.nkv * self.d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(width, self.nkv * self.d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
 
     def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -107,15 +131,27 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """A Llama decoder layer without its input RMSNorm. GRIFFIN's MLP outputs 2H onto a duplicated residual."""
+    """A Llama decoder layer without its input RMSNorm (EAGLE-1/2, GRIFFIN) or with two (the fused archs: one for the
+    token embedding, one for the feature). GRIFFIN's MLP outputs 2H onto a duplicated residual."""
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
+        if cfg.fused:
+            self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+            self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.fused = cfg.fused
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         out = 2 * cfg.hidden_size if cfg.is_griffin else cfg.hidden_size
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, out)
         self.dual = cfg.is_griffin
+
+    def split(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused input [.., H] or [.., 2H] -> (attention input, residual)."""
+        if not self.fused:
+            return h, h
+        e, f = h.chunk(2, dim=-1)
+        return torch.cat((self.input_layernorm(e), self.hidden_norm(f)), dim=-1), f
 
     def finish(self, r: torch.Tensor) -> torch.Tensor:
         """r = h + attention(h), [B, T, H] -> [B, T, H] (EAGLE) or [B, T, 2H] (GRIFFIN)."""
@@ -127,9 +163,15 @@ class DraftModel(nn.Module):
     def __init__(self, config: DraftConfig):
         super().__init__()
         self.config = config
-        self.fusion = TokenGuidedFusion(config) if config.is_griffin else EagleFusion(config)
+        if config.fused:
+            self.fusion = FusedFeatures(config)
+        else:
+            self.fusion = TokenGuidedFusion(config) if config.is_griffin else EagleFusion(config)
         self.layer = DecoderLayer(config)
         self.rotary = LlamaRotaryEmbedding(config.to_llama_config())
+        # the fused archs' own final norm and lm_head over the draft vocabulary (the others share the target's)
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps) if config.fused else None
+        self.lm_head = nn.Linear(config.hidden_size, config.output_vocab_size, bias=False) if config.fused else None
         if config.draft_vocab_size:
             # draft token index -> target token id
             self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size), persistent=True)
@@ -159,6 +201,10 @@ class DraftModel(nn.Module):
                 f"but the target has hidden size {hidden} and vocabulary {vocab}: use a head trained for this target "
                 "(python -m training.build_features / training.train) or the matching target"
             )
+        layers = tcfg.get_text_config().num_hidden_layers if hasattr(tcfg, "get_text_config") else None
+        if cfg.fused and layers is not None and max(cfg.feature_layers) >= layers:
+            raise ValueError(f"this {cfg.arch} head reads target layers {cfg.feature_layers} but the target has "
+                             f"{layers} layers: use a head trained for this target")
         expected = cfg.target.get("fingerprint")
         if expected and expected != target_fingerprint(tcfg):
             log.warning("draft head was trained for target %s with another architecture fingerprint; acceptance may "
@@ -188,13 +234,16 @@ class DraftModel(nn.Module):
 
     def logits(self, predict: torch.Tensor) -> torch.Tensor:
         """predict [.., H] -> logits over the static draft vocabulary [.., V_d] (drafting uses DraftVocab)."""
+        if self.lm_head is not None:
+            return self.lm_head(predict)
         weight = self.lm_weight_full()[self.static_vocab().to(predict.device)]
         return self.logits_transform(F.linear(predict, weight.to(predict.dtype)))
 
     # --- forward -----------------------------------------------------------------------------------------------------
 
     def fuse(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T], features [B, T, H] -> fused input of the decoder layer [B, T, H]."""
+        """tokens [B, T], features [B, T, H] (fused archs: [B, T, 3H] from the target or [B, T, H] fed back) -> fused
+        input of the decoder layer [B, T, H] (fused archs: [B, T, 2H], token embedding and feature)."""
         return self.fusion(self.embed(input_ids), features.to(self.fusion.fc.weight.dtype))
 
     def forward(
@@ -216,8 +265,9 @@ class DraftModel(nn.Module):
     def forward_fused(self, h, position_ids, mask=None, cache=None, past_kv=None, queries=None) -> DraftOutput:
         """``queries`` [B, Tq]: the positions (indices into T) whose outputs are wanted; the MLP runs at those only
         (training's first pass needs every key but not every output)."""
+        x, h = self.layer.split(h)
         cos, sin = self.rotary(h, position_ids)
-        q, k_new, v_new = self.layer.self_attn.project(h, cos, sin)
+        q, k_new, v_new = self.layer.self_attn.project(x, cos, sin)
         if cache is not None:
             k, v = cache.append(k_new, v_new)
         elif past_kv is not None:
@@ -231,10 +281,10 @@ class DraftModel(nn.Module):
         if queries is not None:
             r = r.gather(1, queries[..., None].expand(-1, -1, r.shape[2]))
         out = self.layer.finish(r)
-        hsz = self.config.hidden_size
-        if self.config.is_griffin:
-            return DraftOutput(out[..., :hsz], out[..., hsz:], k_new, v_new)
-        return DraftOutput(out, out, k_new, v_new)
+        predict, regress = out.chunk(2, dim=-1) if self.config.is_griffin else (out, out)
+        if self.norm is not None:  # the fused archs: predict normed for the own lm_head, regress fed back pre-norm
+            predict = self.norm(predict)
+        return DraftOutput(predict, regress, k_new, v_new)
 
     # --- persistence -------------------------------------------------------------------------------------------------
 

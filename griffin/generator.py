@@ -112,6 +112,7 @@ class SpecGenerator:
         else:
             self.draft = draft.to(device=self.device, dtype=draft_dtype or draft.fusion.fc.weight.dtype).eval()
             self.draft.attach(target)
+            self.backend.feature_layers = draft.config.feature_layers  # fused-feature heads read three layers
         self.decoder, self.lm_head = self.backend.decoder, self.backend.lm_head
         self.num_layers = self.backend.num_layers
         self.weight_major = self.backend.weight_major

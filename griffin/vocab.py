@@ -15,6 +15,10 @@ from __future__ import annotations
 import torch
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class DraftVocab:
     """Static draft tokens plus up to ``extra_capacity`` context tokens, with their lm_head rows.
 
@@ -31,7 +35,9 @@ class DraftVocab:
         static = draft.static_vocab().to(device)
         self.static_size = static.shape[0]
         self.dynamic = bool(draft.config.context_vocab and draft.draft_vocab is not None)
-        if not self.dynamic and self.static_size == self.vocab_size:
+        if draft.lm_head is not None:  # a trained lm_head over the draft vocabulary (EAGLE-3 generation), no transform
+            self.weight, self.transform = draft.lm_head.weight.detach(), _identity
+        elif not self.dynamic and self.static_size == self.vocab_size:
             self.weight = full if full.dtype == self.dtype else full.to(self.dtype)  # the whole lm_head, no copy
         else:
             self.weight = full[static].to(self.dtype)

@@ -91,9 +91,10 @@ def counted(monkeypatch):
 
 @pytest.mark.parametrize("arch,vocab,temperature,lookup", [("griffin", 40, 0.0, 0), ("eagle", 0, 0.0, 0),
                                                            ("griffin", 40, 1.0, 0), ("griffin", 40, 0.0, 5),
-                                                           ("eagle", 0, 1.0, 5)])
+                                                           ("eagle", 0, 1.0, 5), ("eagle3", 40, 0.0, 0),
+                                                           ("griffin3", 40, 1.0, 5)])
 def test_one_host_sync_per_cycle(counted, arch, vocab, temperature, lookup):
-    target = tiny_model("llama", vocab_size=96)
+    target = tiny_model("llama", vocab_size=96, layers=6 if arch.endswith("3") else 2)
     gen = SpecGenerator(target, NoTokenizer(), head(target, arch, vocab), depth=4, top_k=4, total_tokens=12,
                         lookup=lookup)
     prompt = torch.tensor([5, 17, 33, 2, 60, 71])

@@ -1,6 +1,7 @@
 """Run the target over chat data and store its last hidden states, token ids and assistant-only loss masks.
 
     python -m training.build_features --out features/smollm2 --max-samples 4000 --max-len 1024
+    python -m training.build_features --out features/smollm2-l3 --feature-layers auto   # + 3 layers (eagle3/griffin3)
     python -m training.build_features --out features/smollm2 --max-len 1024 --shards 8:12   # shards 8..11 only
     accelerate launch -m training.build_features --out ...        # many GPUs: shards are split across processes
 
@@ -26,6 +27,18 @@ from .cli import positive_int, prepare_out, run_cli
 from .data import DEFAULT_DATA, BadConversation, DataError, iter_records, to_messages
 
 
+def _feature_layers(text: str) -> str | list[int]:
+    if text == "auto":
+        return text
+    try:
+        layers = [int(x) for x in text.split(",")]
+    except ValueError:
+        layers = []
+    if len(layers) != 3 or min(layers) < 0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or three layer indices such as 2,15,27, got {text!r}")
+    return layers
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m training.build_features", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -37,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-samples", type=positive_int, default=None,
                    help="use only the first N records of the data (all sources together)")
     p.add_argument("--max-len", type=positive_int, default=2048, help="truncate conversations to this many tokens")
+    p.add_argument("--feature-layers", default=None, type=_feature_layers, metavar="auto|A,B,C",
+                   help="also store the inputs of three target layers, which eagle3 / griffin3 heads read: 'auto' "
+                        "for EAGLE-3's (2, N//2, N-3), or three layer indices (3x the disk; train --online avoids it)")
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
                    help="target compute dtype (default: fp32 on CPU, bf16 on CUDA); stored as fp16 or bf16")
     p.add_argument("--batch-size", type=positive_int, default=4, help="conversations per forward pass (length-sorted)")
@@ -66,6 +82,7 @@ from tqdm.auto import tqdm
 
 import griffin
 from griffin.chat import TemplateError, set_chat_template, tokenize_conversation
+from griffin.config import default_feature_layers
 from griffin.io import atomic_write_json, read_json
 from griffin.target import file_lock, load_target, resolve_dtype, target_fingerprint
 
@@ -103,7 +120,19 @@ def build_settings(args: argparse.Namespace, model, tokenizer, compute_dtype: to
         "dtype": storage,
         "compute_dtype": str(compute_dtype).removeprefix("torch."),
         "griffin_version": griffin.__version__,
+        **({"feature_layers": layers} if (layers := feature_layers(args.feature_layers, model.config)) else {}),
     }
+
+
+def feature_layers(choice: str | list[int] | None, config) -> list[int] | None:
+    """``--feature-layers`` against the target: None, EAGLE-3's default layers ('auto') or the given indices."""
+    if choice is None:
+        return None
+    n = config.get_text_config().num_hidden_layers
+    layers = default_feature_layers(n) if choice == "auto" else list(choice)
+    if max(layers) >= n:
+        raise StoreError(f"--feature-layers {choice}: the target has {n} layers (indices 0..{n - 1})")
+    return layers
 
 
 def check_or_write_build(out: Path, settings: dict) -> None:
@@ -159,19 +188,25 @@ def building(out: Path, main: bool):
 
 
 @torch.inference_mode()
-def hidden_states(decoder, batch: list[torch.Tensor], pad_id: int, device: torch.device) -> list[torch.Tensor]:
-    """Final-norm hidden states (``hidden_states[-1]``) of each sequence, right-padded into one batch."""
+def hidden_states(decoder, batch: list[torch.Tensor], pad_id: int, device: torch.device,
+                  layers: list[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Each sequence's final-norm hidden states (``hidden_states[-1]``) [L, H] and, with ``layers``, the hidden states
+    entering those decoder layers concatenated [L, 3H] (else None); the sequences right-padded into one batch.
+    Feature building and online training (``train --online``) both read the target through this function."""
     width = max(len(x) for x in batch)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     att = torch.zeros((len(batch), width), dtype=torch.long)
     for i, x in enumerate(batch):
         ids[i, : len(x)] = x
         att[i, : len(x)] = 1
-    out = decoder(input_ids=ids.to(device), attention_mask=att.to(device)).last_hidden_state
-    return [out[i, : len(x)].float().cpu() for i, x in enumerate(batch)]
+    out = decoder(input_ids=ids.to(device), attention_mask=att.to(device), output_hidden_states=layers is not None)
+    fused = torch.cat([out.hidden_states[j] for j in layers], dim=-1) if layers is not None else None
+    return [(out.last_hidden_state[i, : len(x)].float().cpu(),
+             None if fused is None else fused[i, : len(x)].float().cpu()) for i, x in enumerate(batch)]
 
 
-def process_shard(records: list, tokenizer, decoder, args, storage_dtype, device, progress) -> tuple[list, dict]:
+def process_shard(records: list, tokenizer, decoder, args, storage_dtype, device, progress,
+                  layers: list[int] | None = None) -> tuple[list, dict]:
     skipped: dict[str, int] = {}
     usable: list[tuple[torch.Tensor, torch.Tensor]] = []
     for record in records:
@@ -183,17 +218,18 @@ def process_shard(records: list, tokenizer, decoder, args, storage_dtype, device
         except BadConversation as err:
             skipped[err.reason] = skipped.get(err.reason, 0) + 1
     order = sorted(range(len(usable)), key=lambda j: len(usable[j][0]))
-    hidden: list[torch.Tensor | None] = [None] * len(usable)
+    hidden: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * len(usable)
     for b in range(0, len(order), args.batch_size):
         chunk = order[b : b + args.batch_size]
         t0 = time.perf_counter()
-        outs = hidden_states(decoder, [usable[j][0] for j in chunk], tokenizer.pad_token_id, device)
-        for j, h in zip(chunk, outs):
-            if not torch.isfinite(h.to(storage_dtype)).all():
+        outs = hidden_states(decoder, [usable[j][0] for j in chunk], tokenizer.pad_token_id, device, layers)
+        for j, (h, fused) in zip(chunk, outs):
+            stored = [x.to(storage_dtype) for x in (h, fused) if x is not None]
+            if not all(torch.isfinite(x).all() for x in stored):
                 raise StoreError(f"hidden states overflow {storage_dtype}; build with --dtype bf16")
-            hidden[j] = h.to(storage_dtype)
+            hidden[j] = (stored[0], stored[1] if fused is not None else None)
         progress.update(len(chunk), sum(len(usable[j][0]) for j in chunk), time.perf_counter() - t0)
-    items = [Conversation(ids, mask, h) for (ids, mask), h in zip(usable, hidden)]
+    items = [Conversation(ids, mask, h, fused) for (ids, mask), (h, fused) in zip(usable, hidden)]
     stats = {
         "num_records": len(records), "num_samples": len(items), "skipped": skipped,
         "num_tokens": sum(len(c.input_ids) for c in items),
@@ -294,8 +330,10 @@ def build_shards(args, out: Path, state, tokenizer, decoder, storage_dtype, devi
         if not mine or shard_index < first or (path.is_file() and shard_is_sound(path)):
             progress.skip(len(chunk))
         else:
-            items, stats = process_shard(chunk, tokenizer, decoder, args, storage_dtype, device, progress)
-            write_shard(path, items, stats, settings["vocab_size"], settings["hidden_size"], storage_dtype)
+            layers = settings.get("feature_layers")
+            items, stats = process_shard(chunk, tokenizer, decoder, args, storage_dtype, device, progress, layers)
+            write_shard(path, items, stats, settings["vocab_size"], settings["hidden_size"], storage_dtype,
+                        layered=layers is not None)
             written += 1
         shard_index += 1
     progress.bar.close()
@@ -307,10 +345,12 @@ def build_shards(args, out: Path, state, tokenizer, decoder, storage_dtype, devi
 def report(out: Path, manifest: dict) -> None:
     size = sum((out / s["file"]).stat().st_size for s in manifest["shards"])
     tokens = max(manifest["num_tokens"], 1)
+    fused = manifest.get("feature_layers")
+    layers = f", with the inputs of target layers {fused}" if fused else ""
     print(f"feature store {out}: {manifest['num_samples']} conversations, {manifest['num_tokens']} tokens "
           f"({manifest['num_loss_tokens']} assistant), {len(manifest['shards'])} shards, "
           f"{size / 1e6:.1f} MB ({size / tokens:.0f} bytes/token), hidden {manifest['hidden_size']} in "
-          f"{manifest['dtype']}; skipped {manifest['num_skipped']} {manifest['skipped']}")
+          f"{manifest['dtype']}{layers}; skipped {manifest['num_skipped']} {manifest['skipped']}")
     store = FeatureStore(out)
     if not len(store):
         return

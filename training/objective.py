@@ -9,6 +9,14 @@ input: the regress feature pass ``k-1`` produced at ``t-1`` (detached). Its quer
 target features. The loss of pass ``k+1`` keeps position ``t`` only if pass ``k`` kept ``t-1`` and the true next token
 was in pass ``k``'s top-``topk`` there (the alignment mask): the position is then on a branch the draft tree contains.
 
+Training-time test (EAGLE-3, ``ttt=True``) is the same unroll over ``L`` passes with three differences: the fed-back
+features keep their gradient (the head learns to read its own outputs), a position counts wherever its label is an
+assistant token whose target argmax is in the draft vocabulary (the chain before it may run through the prompt; with
+``topk`` the alignment mask still drops chains that left the tree), and pass ``i+1`` weighs ``0.8**i`` with no feature
+loss. EAGLE-3 indexes step ``i`` by the chain's first position (tokens shifted left by ``i``, diagonal attention to
+its own earlier steps); here pass ``i+1`` at ``t`` is that step at ``t-i``: the same attention, RoPE position and
+labels (docs/design.md, "Training-time test").
+
 :class:`Rollout` runs the passes and returns, per pass, the draft's logits and features, the kept positions and the
 target's soft labels (:class:`PassOutput`), computed at the kept positions only (pass 1 still attends over every
 position: each is a key of the later passes); :class:`HeadLoss` scores one pass with a token objective of
@@ -56,13 +64,19 @@ def next_masks(mask: torch.Tensor, aligned: torch.Tensor, data_mask: torch.Tenso
     return carried * data_mask
 
 
+def ahead(mask: torch.Tensor, span: int) -> torch.Tensor:
+    """[B, T] 0/1 -> 1 where ``mask`` is 1 at ``t`` or at any of the ``span`` positions after it."""
+    padded = torch.nn.functional.pad(mask, (0, span))
+    return padded.unfold(1, span + 1, 1).amax(-1)
+
+
 @dataclass
 class Batch:
     """A padded training batch built from stored features (see :func:`make_batch`)."""
 
     tokens: torch.Tensor  # [B, T] x_{t+1}: the token position t reads
-    features: torch.Tensor  # [B, T, H] F_t
-    targets: torch.Tensor  # [B, T, H] F_{t+1}
+    features: torch.Tensor  # [B, T, H] F_t (fused heads: [B, T, 3H], the inputs of three target layers at t)
+    targets: torch.Tensor  # [B, T, H] F_{t+1} (the last hidden state: soft labels, feature regression)
     next_tokens: torch.Tensor  # [B, T] x_{t+2} (the true next token; -1 where unknown)
     data_mask: torch.Tensor  # [B, T] 1 where x_{t+1} is an assistant token
     valid: torch.Tensor  # [B, T] bool, False on padding
@@ -75,23 +89,25 @@ class Batch:
         return int(self.valid.sum())
 
 
-def make_batch(items, max_len: int | None = None) -> Batch:
-    """Conversations (input_ids [L], loss_mask [L], hidden [L, H]) -> a right-padded :class:`Batch` of L-1 positions."""
-    cut = [(c.input_ids[:max_len], c.loss_mask[:max_len], c.hidden[:max_len]) for c in items]
-    width = max(len(ids) for ids, _, _ in cut) - 1
-    hsize = cut[0][2].shape[-1]
+def make_batch(items, max_len: int | None = None, fused: bool = False) -> Batch:
+    """Conversations (input_ids [L], loss_mask [L], hidden [L, H], and with ``fused`` layers [L, 3H]) -> a
+    right-padded :class:`Batch` of L-1 positions."""
+    cut = [(c.input_ids[:max_len], c.loss_mask[:max_len], c.hidden[:max_len],
+            (c.layers if fused else c.hidden)[:max_len]) for c in items]
+    width = max(len(ids) for ids, *_ in cut) - 1
+    hsize, fsize = cut[0][2].shape[-1], cut[0][3].shape[-1]
     b = len(cut)
     tokens = torch.zeros(b, width, dtype=torch.long)
     next_tokens = torch.full((b, width), -1, dtype=torch.long)
-    features = torch.zeros(b, width, hsize)
+    features = torch.zeros(b, width, fsize)
     targets = torch.zeros(b, width, hsize)
     data_mask = torch.zeros(b, width)
     valid = torch.zeros(b, width, dtype=torch.bool)
-    for i, (ids, mask, hidden) in enumerate(cut):
+    for i, (ids, mask, hidden, read) in enumerate(cut):
         n = len(ids) - 1
         tokens[i, :n] = ids[1:]
         next_tokens[i, : n - 1] = ids[2:]
-        features[i, :n] = hidden[:-1].float()
+        features[i, :n] = read[:-1].float()
         targets[i, :n] = hidden[1:].float()
         data_mask[i, :n] = mask[1:].float()
         valid[i, :n] = True
@@ -196,12 +212,12 @@ class Rollout:
     and no soft-label mass. A true next token that is not proposable is a miss, for accuracy and alignment alike.
     """
 
-    def __init__(self, draft: DraftModel, steps: int, topk: int, noise: float = 0.2):
+    def __init__(self, draft: DraftModel, steps: int, topk: int, noise: float = 0.2, ttt: bool = False):
         if steps < 1:
             raise ValueError("steps must be at least 1")
         if topk < 0:
             raise ValueError("topk must be >= 0 (0 = no token mask)")
-        self.draft, self.steps, self.topk, self.noise = draft, steps, topk, noise
+        self.draft, self.steps, self.topk, self.noise, self.ttt = draft, steps, topk, noise, ttt
         self.report_k = topk or 3  # the top-k accuracy reported (HASS, without a token mask, still reports top-3)
 
     def noisy(self, features: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -223,22 +239,27 @@ class Rollout:
         vocab = draft.static_vocab().to(device) if vocab is None else vocab
         weight = draft.lm_weight_full()[vocab]  # [V, H] frozen lm_head rows of the proposable tokens
         data_mask = batch.data_mask * batch.valid
-        data_rows = data_mask.flatten().nonzero().squeeze(1)  # [N1]: every later pass keeps a subset of these
+        to_local = torch.full((draft.config.vocab_size,), -1, dtype=torch.long, device=device)
+        to_local[vocab] = torch.arange(vocab.shape[0], device=device)
+        # [N1]: every pass computes a subset of these (TTT: of every real position, a chain may start in the prompt)
+        data_rows = (batch.valid.float() if self.ttt else data_mask).flatten().nonzero().squeeze(1)
         label_row = torch.full((b * t,), -1, dtype=torch.long, device=device)
         label_row[data_rows] = torch.arange(len(data_rows), device=device)
         with torch.no_grad():  # [N1, V]
             target_logits = draft.logits_transform(F.linear(batch.targets.flatten(0, 1)[data_rows], weight)).float()
-        to_local = torch.full((draft.config.vocab_size,), -1, dtype=torch.long, device=device)
-        to_local[vocab] = torch.arange(vocab.shape[0], device=device)
+            counted = self.counted(batch, data_mask, data_rows, to_local) if self.ttt else data_mask
         gt = torch.where(batch.next_tokens >= 0, to_local[batch.next_tokens.clamp(min=0)], -1).flatten()  # -1: absent
         seen = None
         if draft.draft_vocab is not None and draft.config.context_vocab:
             seen = first_seen(batch.tokens, batch.valid, to_local, draft.static_vocab().to(device), vocab.shape[0])
         features = batch.features if features is None else features
-        mask = data_mask if masks is None else masks[0]
+        # TAT: the kept positions, which are also the computed ones; TTT: the chains still alive (in the tree)
+        mask = (batch.valid.float() if self.ttt else data_mask) if masks is None else masks[0]
         keys, values, passes = [], [], []
         for k in range(1, self.steps + 1):
-            rows = mask.flatten().nonzero().squeeze(1)  # [N]
+            # TTT computes a live chain while a counted label lies within the passes left to it
+            compute = mask * ahead(counted, self.steps - k) if self.ttt else mask
+            rows = compute.flatten().nonzero().squeeze(1)  # [N]
             slots = QueryLayout.of(rows, b, t)
             if k == 1:  # every position's key (version 0) and attention; the MLP at the kept positions
                 # causal attention without a mask: padding is on the right, after every real query
@@ -257,7 +278,10 @@ class Rollout:
                     keys.append(slots.scatter(out.key, t))
                     values.append(slots.scatter(out.value, t))
             predict, regress = out.predict[slots.used], out.regress[slots.used]  # [N, H] in rows order
-            logits = draft.logits_transform(F.linear(predict, weight.to(predict.dtype))).float()  # [N, V]
+            if draft.lm_head is not None:  # the head's own lm_head over its draft vocabulary (fused archs)
+                logits = draft.lm_head(predict).float()  # [N, V]
+            else:
+                logits = draft.logits_transform(F.linear(predict, weight.to(predict.dtype))).float()  # [N, V]
             labels = target_logits if len(rows) == len(data_rows) else target_logits[label_row[rows]]
             gt_k = gt[rows]
             if seen is not None:
@@ -271,13 +295,29 @@ class Rollout:
                 ranked = logits.topk(min(self.report_k, logits.shape[-1]), dim=-1).indices  # [N, k]
                 hit1 = scatter_rows((ranked[:, 0] == gt_k).float(), rows, mask.shape)
                 hitk = scatter_rows((ranked == gt_k[:, None]).any(-1).float(), rows, mask.shape)
-            passes.append(PassOutput(logits, labels, rows, predict, regress, mask, hit1, hitk))
+            passes.append(PassOutput(logits, labels, rows, predict, regress, mask * counted if self.ttt else mask,
+                                     hit1, hitk))
             if k < self.steps:
                 aligned = hitk if self.topk else torch.ones_like(hitk)  # topk 0: no token mask (HASS)
-                mask = next_masks(mask, aligned, data_mask) if masks is None else masks[k]
-                features = regress.detach().new_zeros(b, t, regress.shape[-1])
-                features.view(-1, regress.shape[-1])[rows] = regress.detach()  # [B, T, H], zeros where not kept
+                if masks is not None:
+                    mask = masks[k]
+                else:
+                    mask = next_masks(compute, aligned, batch.valid.float() if self.ttt else data_mask)
+                fed = regress if self.ttt else regress.detach()  # TTT learns through its own outputs
+                # [B, T, H], zeros where not computed
+                features = fed.new_zeros(b * t, fed.shape[-1]).index_copy(0, rows, fed).view(b, t, -1)
         return passes
+
+    def counted(self, batch: Batch, data_mask: torch.Tensor, data_rows: torch.Tensor,
+                to_local: torch.Tensor) -> torch.Tensor:
+        """[B, T] 0/1: the positions a TTT loss counts, assistant tokens whose target argmax (over the whole
+        vocabulary) the head can propose; a head over the whole vocabulary counts every assistant token."""
+        if int(to_local.ge(0).sum()) == to_local.shape[0]:
+            return data_mask
+        best = F.linear(batch.targets.flatten(0, 1)[data_rows], self.draft.lm_weight_full()).argmax(-1)  # [N1]
+        proposable = torch.zeros(data_mask.numel(), device=data_mask.device)
+        proposable[data_rows] = (to_local[best] >= 0).float()
+        return data_mask * proposable.view_as(data_mask)
 
 
 class HeadLoss:
@@ -289,12 +329,14 @@ class HeadLoss:
     def __call__(self, out: PassOutput, regress_targets: torch.Tensor,
                  keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (loss sum, number of positions) over the pass's kept positions (narrowed to ``keep`` [N] bool, over
-        ``out.rows``, if given)."""
-        mask = torch.ones(len(out.rows), device=out.rows.device) if keep is None else keep.float()  # [N]
-        token = self.token_loss(out.target_logits, out.logits, mask)
-        regress = F.smooth_l1_loss(out.regress.float(), regress_targets.flatten(0, 1)[out.rows],
-                                   reduction="none").mean(-1)
-        loss = self.w_regress * regress + self.w_token * token
+        ``out.rows``, if given; a TTT pass computes more rows than its loss counts)."""
+        mask = out.mask.flatten()[out.rows]  # [N]
+        if keep is not None:
+            mask = mask * keep.float()
+        loss = self.w_token * self.token_loss(out.target_logits, out.logits, mask)
+        if self.w_regress:
+            loss = loss + self.w_regress * F.smooth_l1_loss(
+                out.regress.float(), regress_targets.flatten(0, 1)[out.rows], reduction="none").mean(-1)
         return (loss * mask).sum(), mask.sum()
 
 
@@ -323,7 +365,8 @@ class AdaSpecSelector:
 class MultiPassObjective(nn.Module):
     """Rollout + loss (+ token selection) around a draft head; ``forward(batch)`` returns per-pass sums and counts.
 
-    ``loss_sums`` / ``counts``: the loss summed over the positions it trains on and their number; ``kept``: positions on
+    ``loss_sums`` / ``counts``: the loss summed over the positions it trains on and their number (the training loss is
+    ``sum(pass_weights * loss_sums / counts)``); ``kept``: positions on
     a branch the tree contains (the alignment mask), over which ``top1`` / ``topk`` hits are summed. The caller divides
     by the (globally reduced) counts so that the gradient equals the mean over the global batch however it is split
     across processes. The selector narrows only the training loss; validation scores every kept position.
@@ -331,11 +374,17 @@ class MultiPassObjective(nn.Module):
 
     def __init__(self, draft: DraftModel, steps: int, topk: int, w_regress: float = 1.0, w_token: float = 0.1,
                  noise: float = 0.2, token_loss: TokenLoss | None = None, reference: DraftModel | None = None,
-                 select_frac: float = 0.4):
+                 select_frac: float = 0.4, ttt: bool = False):
         super().__init__()
+        if ttt and reference is not None:
+            raise ValueError("AdaSPEC token selection does not run with training-time test yet: drop --select")
         self.draft = draft
-        self.rollout = Rollout(draft, steps, topk, noise)
-        self.loss = HeadLoss(token_loss or make_token_loss("soft-ce"), w_regress, w_token)
+        self.rollout = Rollout(draft, steps, topk, noise, ttt=ttt)
+        # TTT: the token loss alone, pass i+1 weighted 0.8**i (EAGLE-3); TAT: the mean over passes
+        self.loss = HeadLoss(token_loss or make_token_loss("soft-ce"), 0.0 if ttt else w_regress,
+                             1.0 if ttt else w_token)
+        weights = [0.8**i for i in range(steps)] if ttt else [1 / steps] * steps
+        self.register_buffer("pass_weights", torch.tensor(weights), persistent=False)
         self.reference = reference  # registered, so that it follows the objective's device
         self.selector = AdaSpecSelector(reference.requires_grad_(False).eval(), steps, select_frac) \
             if reference is not None else None
@@ -374,7 +423,8 @@ def score_store(objective: MultiPassObjective, store, indices: list[int], batch_
 
     totals = torch.zeros(5, objective.steps, device=device)
     for b in tqdm(range(0, len(indices), batch_size), desc="validate", disable=not progress, leave=False):
-        batch = make_batch([store[i] for i in indices[b : b + batch_size]], max_len).to(device)
+        batch = make_batch([store[i] for i in indices[b : b + batch_size]], max_len, objective.draft.config.fused)
+        batch = batch.to(device)
         member = batch_members(objective.draft, batch)
         vocab = None if member is None else member.nonzero().squeeze(1)
         with (autocast or nullcontext)():

@@ -4,6 +4,8 @@ Layout of a store folder::
 
     build.json                  settings the store is built with (a rerun with other settings is refused)
     shard-00000.safetensors     input_ids int32 [N], loss_mask uint8 [N], hidden fp16|bf16 [N, H],
+                                layers fp16|bf16 [N, 3H] (with feature_layers: the inputs of three target layers,
+                                which EAGLE-3-generation heads read),
                                 offsets int64 [n+1] (conversation j is rows offsets[j]:offsets[j+1]),
                                 token_counts int64 [V] (assistant-token frequencies); per-shard stats in metadata
     manifest.json               written last: the store is complete only when it exists
@@ -43,10 +45,11 @@ class Conversation:
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] uint8
     hidden: torch.Tensor  # [T, H] storage dtype
+    layers: torch.Tensor | None = None  # [T, 3H] storage dtype, the inputs of the store's feature_layers
 
 
 def write_shard(path: Path, items: list[Conversation], stats: dict[str, Any], vocab_size: int, hidden_size: int,
-                dtype: torch.dtype) -> None:
+                dtype: torch.dtype, layered: bool = False) -> None:
     lengths = torch.tensor([0] + [len(c.input_ids) for c in items], dtype=torch.long)
     if items:
         ids = torch.cat([c.input_ids for c in items])
@@ -63,6 +66,10 @@ def write_shard(path: Path, items: list[Conversation], stats: dict[str, Any], vo
         "offsets": torch.cumsum(lengths, 0),
         "token_counts": counts,
     }
+    if items and items[0].layers is not None:
+        tensors["layers"] = torch.cat([c.layers for c in items]).to(dtype).contiguous()
+    elif not items and layered:
+        tensors["layers"] = torch.zeros(0, 3 * hidden_size, dtype=dtype)
     meta = {"stats": json.dumps(stats)}
     atomic_write(path, lambda p: save_file(tensors, str(p), metadata=meta))
 
@@ -140,6 +147,11 @@ class FeatureStore:
     def hidden_size(self) -> int:
         return self.manifest["hidden_size"]
 
+    @property
+    def feature_layers(self) -> list[int] | None:
+        """The target layers whose inputs the store holds (``layers``), or None (last hidden states only)."""
+        return self.manifest.get("feature_layers")
+
     def length(self, i: int) -> int:
         _, start, end = self._index[i]
         return end - start
@@ -151,6 +163,7 @@ class FeatureStore:
             input_ids=handle.get_slice("input_ids")[start:end].long(),
             loss_mask=handle.get_slice("loss_mask")[start:end],
             hidden=handle.get_slice("hidden")[start:end],
+            layers=handle.get_slice("layers")[start:end] if self.feature_layers else None,
         )
 
     def loss_mask(self, i: int) -> torch.Tensor:

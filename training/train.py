@@ -2,10 +2,17 @@
 
     python -m training.train --features features/smollm2 --out heads/griffin --steps 3 --topk 3
     python -m training.train ... --progressive          # stages K=1, 2, .., --steps, each from the previous one
+    python -m training.train --features features/smollm2-l3 --arch griffin3 --topk 3 --out heads/griffin3
     accelerate launch -m training.train ...             # DDP / FSDP, bf16 on GPUs (accelerate config decides)
 
 ``--steps K`` forward passes per update (token-alignable training; 1 = EAGLE training), ``--topk k`` the alignment
 mask (0 = none, i.e. HASS). A killed run continues with ``--resume`` and ends with the same weights.
+
+The EAGLE-3 generation (``--arch eagle3`` / ``griffin3``) reads three target layers (a store built with
+``build_features --feature-layers auto``) and trains with training-time test: ``--ttt-steps L`` passes (default 7),
+each reading the previous pass's outputs with their gradient, pass ``i+1`` weighted ``0.8**i``, token loss only;
+``--topk`` adds GRIFFIN's alignment mask to it (0 = EAGLE-3's own training). ``--ttt-steps`` also trains the older
+heads that way; ``--ttt-steps 0`` trains a fused head with ``--steps`` instead.
 
 Distillation objectives (``training.losses``): the token loss between the target's and the head's distributions is
 ``--token-loss`` (default soft-ce, the heads' usual soft cross-entropy). AdaSPEC trains only on the positions where the
@@ -27,7 +34,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from griffin.constants import TOKEN_LOSSES
+from griffin.constants import FUSED_ARCHS, HEAD_ARCHS, TOKEN_LOSSES, TTT_STEPS
 
 from .cli import fraction, nonnegative_float, nonnegative_int, positive_float, positive_int, prepare_out, run_cli
 
@@ -40,7 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--features", required=True, help="feature store built by training.build_features")
     p.add_argument("--out", required=True, help="output folder (head, validation.json, resumable train_state/)")
     p.add_argument("--target", default=None, help="target name or folder (default: the one the features record)")
-    p.add_argument("--arch", default="griffin", choices=["griffin", "eagle"])
+    p.add_argument("--arch", default="griffin", choices=HEAD_ARCHS)
+    p.add_argument("--ttt-steps", type=nonnegative_int, default=None, metavar="L",
+                   help=f"training-time test over L passes (default: {TTT_STEPS} for {' and '.join(FUSED_ARCHS)}, "
+                        "off for the others; 0 = off)")
     p.add_argument("--steps", type=positive_int, default=3, help="forward passes per update, K (default: %(default)s)")
     p.add_argument("--topk", type=nonnegative_int, default=3, help="alignment mask top-k; 0 = no token mask (HASS)")
     p.add_argument("--epochs", type=positive_int, default=1, help="epochs (per stage with --progressive)")
@@ -83,6 +93,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--reference is only used by --select adaspec")
     if not 0 < args.select_frac <= 1:
         p.error("--select-frac must be in (0, 1]")
+    if args.ttt_steps is None:
+        args.ttt_steps = TTT_STEPS if args.arch in FUSED_ARCHS else 0
+    if args.ttt_steps:
+        if args.progressive:
+            p.error("--progressive trains stages K=1..--steps; training-time test unrolls all --ttt-steps at once")
+        if args.select != "none":
+            p.error("--select adaspec does not run with training-time test yet: drop it or pass --ttt-steps 0")
+        args.steps = args.ttt_steps  # the rollout's passes
     return args
 
 
@@ -116,8 +134,8 @@ STATE = "train_state"
 LOCK = ".lock"  # held by the run writing into --out
 VALIDATION = "validation.json"
 SPLIT_SEED = 1234  # fixed so that every head trained on a store is validated on the same conversations
-RESUME_SETTINGS = ("arch", "steps", "topk", "epochs", "max_updates", "lr", "warmup", "batch_size", "max_len",
-                   "draft_vocab", "init_from", "seed", "grad_clip", "weight_decay", "noise", "w_token",
+RESUME_SETTINGS = ("arch", "steps", "ttt_steps", "topk", "epochs", "max_updates", "lr", "warmup", "batch_size",
+                   "max_len", "draft_vocab", "init_from", "seed", "grad_clip", "weight_decay", "noise", "w_token",
                    "mixed_precision", "val_fraction", "val_max")
 
 
@@ -155,7 +173,9 @@ def build_head(args, store: FeatureStore, target_head) -> DraftModel:
             raise ValueError(f"--init-from {args.init_from} is a {draft.config.arch} head but --arch is {args.arch}")
         draft.requires_grad_(True)
     else:
-        config = DraftConfig.from_target(target_head.config, arch=args.arch, draft_vocab_size=args.draft_vocab)
+        layers = {"feature_layers": store.feature_layers} if args.arch in FUSED_ARCHS else {}
+        config = DraftConfig.from_target(target_head.config, arch=args.arch, draft_vocab_size=args.draft_vocab,
+                                         **layers)
         draft = DraftModel(config)
         if args.draft_vocab:
             eos = getattr(target_head.config, "eos_token_id", None)
@@ -209,7 +229,8 @@ class Trainer:
         token_loss = make_token_loss(args.token_loss, jsd_beta=args.jsd_beta)
         reference = load_reference(args.reference, draft, target_head) if args.select == "adaspec" else None
         self.objective = MultiPassObjective(draft, args.steps, args.topk, w_token=args.w_token, noise=args.noise,
-                                            token_loss=token_loss, reference=reference, select_frac=args.select_frac)
+                                            token_loss=token_loss, reference=reference, select_frac=args.select_frac,
+                                            ttt=bool(args.ttt_steps))
         self.global_batch = args.batch_size * accelerator.num_processes
         per_epoch = len(epoch_batches(store, self.train_idx, self.global_batch, args.seed, 0))
         if per_epoch == 0:
@@ -217,7 +238,7 @@ class Trainer:
                              f"({self.global_batch}): lower --batch-size")
         self.total = per_epoch * args.epochs if args.max_updates is None else min(per_epoch * args.epochs,
                                                                                   args.max_updates)
-        lr = args.lr or (5e-5 if args.steps == 1 else 3e-5)
+        lr = args.lr or (5e-5 if args.steps == 1 or args.ttt_steps else 3e-5)
         optimizer = torch.optim.AdamW(draft.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
         from transformers import get_scheduler
 
@@ -228,7 +249,8 @@ class Trainer:
         # what a resumed run must share with the run it continues (a changed flag would be silently mixed in)
         self.settings = {k: getattr(args, k, None) for k in RESUME_SETTINGS} | {"processes": accelerator.num_processes}
         self.history: list[dict] = []
-        self.run_info = {"arch": args.arch, "steps": args.steps, "topk": args.topk, "lr": lr, "warmup": warmup,
+        self.run_info = {"arch": args.arch, "steps": args.steps, "ttt_steps": args.ttt_steps, "topk": args.topk,
+                         "lr": lr, "warmup": warmup,
                          "total_updates": self.total, "global_batch": self.global_batch, "max_len": self.max_len,
                          "features": str(args.features), "seed": args.seed, "noise": args.noise,
                          "mixed_precision": accelerator.mixed_precision, "processes": accelerator.num_processes,
@@ -272,7 +294,8 @@ class Trainer:
     def run_batch(self, indices: list[int], generator: torch.Generator) -> tuple[dict, int]:
         """One training forward. The head may propose its static draft vocabulary plus every token of the global
         batch (when it uses context tokens), so that every process computes the same columns."""
-        batch = make_batch([self.store[i] for i in indices], self.max_len).to(self.acc.device)
+        items = [self.store[i] for i in indices]
+        batch = make_batch(items, self.max_len, self.draft.config.fused).to(self.acc.device)
         member = batch_members(self.draft, batch)
         vocab = None if member is None else self.acc.reduce(member, reduction="sum").nonzero().squeeze(1)
         with self.acc.autocast():
@@ -297,7 +320,8 @@ class Trainer:
                 generator.manual_seed(args.seed * 1_000_003 + self.progress["updates"] * world + rank)
                 out, tokens = self.run_batch(mine, generator)
                 counts = acc.reduce(out["counts"].detach(), reduction="sum")
-                loss = (out["loss_sums"] / counts.clamp(min=1)).mean() * world
+                weights = acc.unwrap_model(self.objective).pass_weights
+                loss = (out["loss_sums"] / counts.clamp(min=1) * weights).sum() * world
                 acc.backward(loss)
                 if args.grad_clip:
                     acc.clip_grad_norm_(self.objective.parameters(), args.grad_clip)
@@ -360,6 +384,13 @@ def check_target(store: FeatureStore, target_name: str | None, target_head) -> N
                          f"target has {target_head.config.hidden_size}")
 
 
+def check_fused(store: FeatureStore, args: argparse.Namespace) -> None:
+    """A fused head (eagle3 / griffin3) needs a store of three target layers: say how to get one."""
+    if args.arch in FUSED_ARCHS and not store.feature_layers:
+        raise StoreError(f"--arch {args.arch} reads three target layers, which {store.folder} does not hold: rebuild "
+                         "it with build_features --feature-layers auto")
+
+
 def train_stage(args: argparse.Namespace, store: FeatureStore) -> None:
     from accelerate import Accelerator
 
@@ -368,6 +399,7 @@ def train_stage(args: argparse.Namespace, store: FeatureStore) -> None:
     acc = Accelerator(cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False, **kwargs)
     target_head = load_target_head(args.target or store.manifest["target"], device=acc.device)
     check_target(store, args.target, target_head)
+    check_fused(store, args)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     trainer = Trainer(args, acc, store, target_head)
     if args.resume:
@@ -375,8 +407,9 @@ def train_stage(args: argparse.Namespace, store: FeatureStore) -> None:
     elif (Path(args.out) / STATE).exists():
         raise StoreError(f"{args.out} already holds a training run: pass --resume to continue it or use a new --out")
     if acc.is_main_process:
-        log.info("training %s head (%.2fM parameters) K=%d topk=%d, token loss %s%s, on %d conversations, %d updates",
-                 args.arch, trainer.draft.num_parameters() / 1e6, args.steps, args.topk, args.token_loss,
+        log.info("training %s head (%.2fM parameters) %s=%d topk=%d, token loss %s%s, on %d conversations, "
+                 "%d updates", args.arch, trainer.draft.num_parameters() / 1e6, "TTT L" if args.ttt_steps else "K",
+                 args.steps, args.topk, args.token_loss,
                  f" + AdaSPEC {args.select_frac:g} (reference {args.reference})" if args.reference else "",
                  len(trainer.train_idx), trainer.total)
     trainer.train()
