@@ -50,7 +50,8 @@ class DraftConfig:
     draft_vocab_size: int = 0
     context_vocab: bool = True  # with a reduced vocabulary, context tokens become proposable too (griffin.vocab)
     num_hidden_layers: int = 1
-    feature_layers: list[int] | None = None  # eagle3 / griffin3: target layers whose inputs are fused
+    # eagle3 / griffin3: the target layers whose inputs are fused (None: EAGLE-3's default, set when attached)
+    feature_layers: list[int] | None = None
     target: dict[str, Any] = field(default_factory=dict)
     model_type: str = "griffin_draft"
 
@@ -87,11 +88,12 @@ class DraftConfig:
 
     def _check_fused(self) -> None:
         layers = self.feature_layers
-        if not isinstance(layers, (list, tuple)) or len(layers) != 3 or not all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
-            raise ValueError(f"field 'feature_layers' of a {self.arch} head must be three layer indices >= 0, "
-                             f"got {layers!r}")
-        self.feature_layers = list(layers)
+        if layers is not None:
+            if not isinstance(layers, (list, tuple)) or len(layers) != 3 or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+                raise ValueError(f"field 'feature_layers' of a {self.arch} head must be three layer indices >= 0, "
+                                 f"got {layers!r}")
+            self.feature_layers = list(layers)
         if self.context_vocab:
             raise ValueError(f"a {self.arch} head scores its draft vocabulary with its own lm_head: context_vocab "
                              "must be false")

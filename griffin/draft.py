@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from .config import DraftConfig
+from .config import DraftConfig, default_feature_layers
 from .family import logits_transform
 from .io import atomic_write, load_safetensors, read_json
 from .target import target_fingerprint
@@ -202,6 +202,9 @@ class DraftModel(nn.Module):
                 "(python -m training.build_features / training.train) or the matching target"
             )
         layers = tcfg.get_text_config().num_hidden_layers if hasattr(tcfg, "get_text_config") else None
+        if cfg.fused and cfg.feature_layers is None and layers is not None:  # an EAGLE-3 checkpoint: the default
+            cfg.feature_layers = default_feature_layers(layers)
+            cfg.target["num_hidden_layers"] = layers
         if cfg.fused and layers is not None and max(cfg.feature_layers) >= layers:
             raise ValueError(f"this {cfg.arch} head reads target layers {cfg.feature_layers} but the target has "
                              f"{layers} layers: use a head trained for this target")
@@ -311,11 +314,13 @@ class DraftModel(nn.Module):
         device: str | torch.device | None = None,
         target_config=None,
     ) -> DraftModel:
-        """Load a head saved by :meth:`save_pretrained`, or an official GRIFFIN / EAGLE checkpoint folder.
+        """Load a head saved by :meth:`save_pretrained`, or an official GRIFFIN / EAGLE / EAGLE-3 checkpoint folder
+        (EAGLE-3 heads trained by the official code or SpecForge included).
 
-        Official checkpoints carry no record of their target; pass ``target_config`` to record it.
+        Official checkpoints carry no record of their target; pass ``target_config`` to record it (an EAGLE-3 head
+        learns which target layers it reads when attached, if not from it).
         """
-        from .official import is_official_config, load_official
+        from .official import is_official_config, read_official
 
         folder = Path(folder)
         config_path = folder / "config.json"
@@ -325,7 +330,8 @@ class DraftModel(nn.Module):
         if not isinstance(raw, dict):
             raise ValueError(f"{config_path} holds a JSON {type(raw).__name__}, not a head config object")
         if is_official_config(raw):
-            model = load_official(folder, raw, target_config)
+            config, state = read_official(folder, raw, target_config)
+            source = str(folder)
         else:
             weights = folder / WEIGHTS_NAME
             if not weights.is_file():
@@ -334,10 +340,10 @@ class DraftModel(nn.Module):
                 config = DraftConfig.from_dict(raw)
             except (ValueError, TypeError) as err:
                 raise ValueError(f"{config_path}: {err}") from None
-            model = cls(config)
-            state = load_safetensors(weights)
-            check_state_dict(model, state, str(weights))
-            model.load_state_dict(state)
+            state, source = load_safetensors(weights), str(weights)
+        model = cls(config)
+        check_state_dict(model, state, source)
+        model.load_state_dict(state)
         model.requires_grad_(False).eval()
         # Heads are often stored in fp16, which CPUs compute slowly: default to fp32.
         return model.to(device=device, dtype=dtype or torch.float32)

@@ -3,18 +3,27 @@ decoding with them, and training-time test (TTT) against an explicit per-positio
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from transformers import LlamaConfig
 
 from griffin import SpecGenerator
 from griffin.config import DraftConfig, default_feature_layers
 from griffin.draft import DraftModel
+from griffin.drafters import HeadDrafter
+from griffin.official import save_eagle3
 from griffin.sampling import SamplingConfig
-from tests.conftest import pooled_chisquare, tiny_model
+from griffin.target import TargetHead
+from tests.conftest import ROOT, pooled_chisquare, run_main, tiny_model
+from tests.test_features import conversations, write_data
 from tests.test_generation import NoTokenizer, exact_sequences, greedy_difference, untrained_head
 from tests.test_training import synthetic_items
 from training.objective import MultiPassObjective, make_batch
-from training.store import Conversation
+from training.store import Conversation, FeatureStore
 
 FUSED = ["eagle3", "griffin3"]
 
@@ -201,3 +210,128 @@ def test_sampling_with_a_fused_head_matches_the_target_distribution():
     assert set(counts) <= set(exact)
     pvalue, cells = pooled_chisquare(counts, exact, runs)
     assert cells > 10 and pvalue > 0.001, (pvalue, counts)
+
+
+# --- the EAGLE-3 layout: the official code's outputs, and what vLLM / SGLang load --------------------------------
+
+FIXTURE = ROOT / "tests" / "fixtures" / "official-eagle3"  # made with the official code: see fixtures/PROVENANCE.md
+
+
+def fixture_head() -> tuple[DraftModel, dict[str, torch.Tensor], dict[str, int]]:
+    """The official checkpoint loaded and attached to a stand-in target with the fixture's embedding; its lm_head
+    makes token 9 (a draft token) every position's argmax, so that TTT counts every assistant position."""
+    io = load_file(str(FIXTURE / "io.safetensors"))
+    with safe_open(str(FIXTURE / "io.safetensors"), "pt") as handle:
+        meta = {k: int(v) for k, v in handle.metadata().items() if v.isdigit()}
+    head = DraftModel.from_pretrained(FIXTURE)
+    lm_head = torch.zeros(128, 64)
+    lm_head[9, 0] = 1.0
+    target = TargetHead(LlamaConfig(hidden_size=64, vocab_size=128, intermediate_size=96, num_attention_heads=4,
+                                    num_key_value_heads=2, num_hidden_layers=6), io["embed_tokens"], lm_head)
+    return head.attach(target), io, meta
+
+
+def test_the_official_eagle3_checkpoint_reproduces_the_official_code():
+    """Loader, step-0 forward, every step of training-time test and the drafted tree against the official EAGLE-3
+    code's outputs on the same weights (tests/fixtures/official-eagle3)."""
+    head, io, meta = fixture_head()
+    assert head.config.arch == "eagle3" and head.config.feature_layers == [2, 3, 3]  # EAGLE-3's default, when attached
+    assert head.static_vocab().tolist() == [9, 24, 30, 31, 36, 42, 46, 49, 51, 53, 66, 68, 69, 72, 78, 81, 82, 87, 88,
+                                            93, 102, 104, 105, 106, 107, 110, 111, 114, 117, 119, 124, 125]
+    ids, hidden3 = io["input_ids"], io["hidden3"]
+    out = head(ids[:, 1:], hidden3, torch.arange(12)[None])
+    torch.testing.assert_close(out.regress, io["step0_hidden"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(head.logits(out.predict), io["step0_logits"], rtol=1e-5, atol=1e-5)
+
+    # TTT: the official step i at row u is our pass i+1 at position u+i (tokens x_{u+i+1}, RoPE position u+i)
+    steps = meta["ttt_steps"]
+    ttt_ids = io["ttt_input_ids"][0]
+    targets = torch.zeros(12, 64)
+    targets[:, 0] = 1.0
+    item = Conversation(ttt_ids, torch.ones(12, dtype=torch.uint8), targets, io["hidden3"][0])
+    passes = MultiPassObjective(head, steps=steps, topk=0, ttt=True).eval().rollout(make_batch([item], fused=True))
+    compared = 0
+    for i in range(steps):
+        for u in range(11 - i):
+            row = passes[i].row_of(0, u + i)
+            torch.testing.assert_close(passes[i].logits[row], io["ttt_logits"][i, 0, u], rtol=1e-5, atol=1e-5)
+            compared += 1
+    assert compared == sum(11 - i for i in range(steps))
+
+    drafter = HeadDrafter(head, depth=meta["depth"] + 1, top_k=meta["top_k"], total_tokens=meta["total_tokens"] - 1,
+                          capacity=64)
+    drafter.start(ids[0, :-1], hidden3[0], ids[0, -1:])
+    tree = drafter.propose(ids[0, -1:])
+    assert tree.tokens.tolist() == io["draft_tokens"][0].tolist()
+    assert tree.depths.tolist() == io["tree_position_ids"].tolist()
+    assert torch.equal(tree.ancestors, io["tree_mask"][0, 0].bool())
+
+
+def test_eagle3_export_is_what_vllm_and_sglang_load_and_round_trips(tmp_path):
+    """``save_eagle3`` writes the keys, shapes and config the serving engines' EAGLE-3 loaders read, checked against
+    their source: vLLM ``vllm/model_executor/models/llama_eagle3.py`` (commit 583507d: q/k/v take 2H, ``fc`` [H, 3 x
+    target_hidden_size] without bias, ``midlayer.`` renamed ``layers.0.``, ``d2t`` -> ``draft_id_to_target_id``,
+    ``t2d`` skipped, ``lm_head`` [draft_vocab_size, H], any other key a KeyError) and SGLang
+    ``python/sglang/srt/models/llama_eagle3.py`` (commit d737979: ``LlamaForCausalLMEagle3``, num_hidden_layers 1,
+    ``fc`` bias from an optional ``bias`` flag, ``hot_token_id = d2t + arange``). Our loader reads it back."""
+    target = tiny_model(layers=6)
+    torch.manual_seed(0)
+    head = DraftModel(DraftConfig.from_target(target.config, arch="eagle3", draft_vocab_size=32))
+    head.draft_vocab.copy_(torch.arange(0, 128, 4))
+    for p in head.parameters():
+        p.data.normal_(0, 0.1)
+    save_eagle3(head, tmp_path / "exp", dtype=torch.float32)
+    state = load_file(str(tmp_path / "exp" / "model.safetensors"))
+    raw = json.loads((tmp_path / "exp" / "config.json").read_text())
+    layer = {f"midlayer.{k}" for k in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                                       "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                       "mlp.down_proj.weight", "input_layernorm.weight", "hidden_norm.weight",
+                                       "post_attention_layernorm.weight")}
+    assert set(state) == layer | {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+    assert state["midlayer.self_attn.q_proj.weight"].shape == (64, 128)  # 2H in
+    assert state["fc.weight"].shape == (64, 3 * raw["target_hidden_size"])
+    assert state["lm_head.weight"].shape == (raw["draft_vocab_size"], 64) == (32, 64)
+    assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool
+    assert torch.equal(state["d2t"] + torch.arange(32), torch.arange(0, 128, 4))  # SGLang's hot_token_id
+    assert raw["architectures"] == ["LlamaForCausalLMEagle3"] and raw["num_hidden_layers"] == 1
+    assert raw["bias"] is False and "eagle_aux_hidden_state_layer_ids" not in raw  # EAGLE-3's default layers
+    back = DraftModel.from_pretrained(tmp_path / "exp", target_config=target.config).attach(target)
+    assert back.config.feature_layers == head.config.feature_layers
+    head.attach(target)
+    ids, feats = torch.randint(0, 128, (1, 6)), torch.randn(1, 6, 192)
+    mine, theirs = head(ids, feats, torch.arange(6)[None]), back(ids, feats, torch.arange(6)[None])
+    torch.testing.assert_close(back.logits(theirs.predict), head.logits(mine.predict))
+    griffin3 = DraftModel(DraftConfig.from_target(target.config, arch="griffin3", draft_vocab_size=32))
+    with pytest.raises(ValueError, match="Token-Guided Fusion and dual heads change the forward"):
+        save_eagle3(griffin3, tmp_path / "no")
+    assert not (tmp_path / "no").exists()
+
+
+def test_commands_build_train_and_export_fused_heads(tmp_path, tiny_target_dir):
+    """build_features --feature-layers, train --arch eagle3 / griffin3 (TTT by default), export --format eagle3; the
+    mistakes a user can make get one line each."""
+    data = write_data(tmp_path / "data.json", conversations(10))
+    plain, layered = tmp_path / "plain", tmp_path / "layered"
+    common = ["--target", str(tiny_target_dir), "--data", data, "--max-len", "256"]
+    assert run_main("training.build_features", "--out", str(plain), *common)[0] == 0
+    assert run_main("training.build_features", "--out", str(layered), "--feature-layers", "auto", *common)[0] == 0
+    store = FeatureStore(layered)
+    assert store.feature_layers == [1, 1, 0] and store[0].layers.shape == (len(store[0].input_ids), 96)
+    torch.testing.assert_close(store[0].hidden, FeatureStore(plain)[0].hidden)
+    code, err = run_main("training.build_features", "--out", str(tmp_path / "x"), "--feature-layers", "1,2", *common)
+    assert code == 2 and "three layer indices" in err
+    code, err = run_main("training.train", "--features", str(plain), "--out", str(tmp_path / "no"), "--arch", "eagle3")
+    assert code == 2 and "--feature-layers auto" in err and len(err.strip().splitlines()) == 1
+    train = ["--features", str(layered), "--draft-vocab", "64", "--max-updates", "2", "--batch-size", "2",
+             "--ttt-steps", "3"]
+    for arch, topk in (("eagle3", "0"), ("griffin3", "3")):
+        assert run_main("training.train", *train, "--arch", arch, "--topk", topk, "--out", str(tmp_path / arch))[0] == 0
+        report = json.loads((tmp_path / arch / "validation.json").read_text())
+        assert report["run"]["ttt_steps"] == 3 and len(report["epochs"][-1]["passes"]) == 3
+    assert run_main("training.export", str(tmp_path / "eagle3"), str(tmp_path / "e3"), "--format", "eagle3")[0] == 0
+    assert json.loads((tmp_path / "e3" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert "training-time test over 3 passes" in (tmp_path / "e3" / "README.md").read_text()
+    head = DraftModel.from_pretrained(tmp_path / "e3")
+    assert head.config.arch == "eagle3" and head.config.draft_vocab_size == 64
+    code, err = run_main("training.export", str(tmp_path / "griffin3"), str(tmp_path / "g3"), "--format", "eagle3")
+    assert code == 2 and "Token-Guided Fusion" in err and not (tmp_path / "g3").exists()

@@ -2,11 +2,15 @@
 
     python -m training.export heads/griffin checkpoints/smollm2-135m-instruct-griffin --name GRIFFIN
     python -m training.export heads/eagle exports/eagle-official --format official   # for vLLM / SGLang
+    python -m training.export heads/eagle3 exports/eagle3 --format eagle3   # EAGLE-3 heads, for vLLM / SGLang
 
 ``--format griffin`` (the default) writes this package's layout. ``--format official`` writes the official EAGLE /
 GRIFFIN layout that other engines load: a Llama ``config.json`` and ``model.safetensors`` with keys ``fc.*``,
 ``layers.0.*`` and ``embed_tokens.weight`` (the target's input embedding, read from ``--target``); a reduced draft
 vocabulary is expanded to the target's full lm_head (no ``d2t`` mapping is written), as the card says.
+``--format eagle3`` writes an ``eagle3`` head in the layout vLLM and SGLang serve EAGLE-3 heads from
+(``LlamaForCausalLMEagle3``, ``midlayer.*``, ``fc``, ``norm``, ``lm_head`` over the draft vocabulary, ``d2t``); a
+``griffin3`` head is refused (its Token-Guided Fusion and dual heads have no place there).
 
 The card is rebuilt from the files alone: the training run (``validation.json``), and every speed run of this head
 found under ``benchmarks/results`` (files named ``<bench>-<head folder name>-T<temp>.json`` whose ``draft_digest`` is
@@ -40,6 +44,11 @@ def objective_text(run: dict) -> str:
     loss = run.get("token_loss", "soft-ce")
     words = {"soft-ce": "soft cross-entropy", "fkl": "forward KL", "rkl": "reverse KL", "tvd": "total variation",
              "tvdpp": "TVD++", "jsd": f"JSD(β={run.get('jsd_beta')})"}[loss]
+    if run.get("ttt_steps"):
+        mask = f"GRIFFIN's alignment mask (top-{run['topk']})" if run.get("topk") else "no alignment mask"
+        return (f"Loss: training-time test over {run['ttt_steps']} passes, each reading the previous pass's outputs, "
+                f"pass i+1 weighted 0.8^i, {words} (`--token-loss {loss}`) between the target's and the head's "
+                f"distributions over the draft vocabulary, no feature loss, {mask}.")
     text = (f"Loss: SmoothL1 feature regression plus {run.get('w_token', 0.1):g} × {words} (`--token-loss {loss}`) "
             "between the target's and the head's token distributions.")
     if run.get("select") == "adaspec":
@@ -52,9 +61,21 @@ def layout_text(head: DraftModel, fmt: str, dtype: str) -> list[str]:
     """The card's paragraph on the checkpoint's layout."""
     cfg = head.config
     size = f"`{cfg.arch}` ({head.num_parameters() / 1e6:.2f} M parameters"
+    if fmt == "griffin" and cfg.fused:
+        serving = ("vLLM and SGLang serve the `eagle3` arch from `--format eagle3`" if cfg.arch == "eagle3" else
+                   "vLLM and SGLang cannot run its Token-Guided Fusion and dual heads, so it has no EAGLE-3 export: "
+                   "serve it with this package")
+        return [f"Architecture {size}; reads the inputs of target layers {cfg.feature_layers} fused by `fc`, scores "
+                f"a draft vocabulary of {cfg.output_vocab_size} tokens with its own norm and lm_head; the target's "
+                f"embedding is shared at run time), weights in {dtype}; {serving}.", ""]
     if fmt == "griffin":
         return [f"Architecture {size}; the target's embedding and lm_head are shared at run time), draft vocabulary "
                 f"{cfg.draft_vocab_size or cfg.vocab_size} tokens, weights in {dtype}.", ""]
+    if fmt == "eagle3":
+        return [f"Architecture {size}) in the EAGLE-3 layout vLLM and SGLang load (`LlamaForCausalLMEagle3`: "
+                f"`midlayer.*`, `fc`, `norm`, `lm_head` over {cfg.output_vocab_size} draft tokens, `d2t`, `t2d`; no "
+                f"`embed_tokens`, the target's is shared), weights in {dtype}; it reads the inputs of target layers "
+                f"{cfg.feature_layers}, both engines' default.", ""]
     keys = "`fc.fc.*`, `fc.post_attention_layernorm`, `fc.mlp.*` (Token-Guided Fusion)" if cfg.is_griffin else "`fc.*`"
     readers = ("the official GRIFFIN code and this package read it; vLLM's and SGLang's EAGLE loaders have no "
                "Token-Guided Fusion" if cfg.is_griffin else "EAGLE-1/2 loaders (the `eagle` method of vLLM and "
@@ -139,14 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", nargs="+", default=["benchmarks/results", "benchmarks/results/ablation"],
                    help="folders of speed-run results")
     p.add_argument("--notes", default="", help="a sentence for the card's training section (e.g. the recipe)")
-    p.add_argument("--format", default="griffin", choices=["griffin", "official"],
-                   help="griffin: this package's layout; official: the EAGLE / GRIFFIN layout vLLM and SGLang read")
+    p.add_argument("--format", default="griffin", choices=["griffin", "official", "eagle3"],
+                   help="griffin: this package's layout; official: the EAGLE / GRIFFIN layout vLLM and SGLang read; "
+                        "eagle3: the EAGLE-3 layout they read (eagle3 heads)")
     p.add_argument("--target", default=None, help="official format: the target (name or folder) whose input "
                    "embedding is stored as embed_tokens.weight (default: the target the head records)")
     p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "fp32"], help="dtype of the written weights")
     args = p.parse_args(argv)
     from griffin.draft import DraftModel
-    from griffin.official import save_official
+    from griffin.official import save_eagle3, save_official
     from griffin.target import load_target_head, resolve_dtype
 
     from .train import VALIDATION
@@ -156,9 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     report = read_json(src / VALIDATION, "validation report")
     stages = json.loads((src / STAGES).read_text()) if (src / STAGES).is_file() else stage_reports(src)
     dtype = resolve_dtype(args.dtype)
-    if args.format == "official":
-        if src.resolve() == dst.resolve():
-            raise ValueError("--format official writes a new folder: pass a destination other than the head's own")
+    if args.format != "griffin" and src.resolve() == dst.resolve():
+        raise ValueError(f"--format {args.format} writes a new folder: pass a destination other than the head's own")
+    if args.format == "eagle3":
+        save_eagle3(head, dst, dtype)
+    elif args.format == "official":
         target = args.target or head.config.target.get("name")
         if not target:
             raise ValueError("the head records no target: pass --target (its input embedding is stored)")
