@@ -335,3 +335,30 @@ def test_commands_build_train_and_export_fused_heads(tmp_path, tiny_target_dir):
     assert head.config.arch == "eagle3" and head.config.draft_vocab_size == 64
     code, err = run_main("training.export", str(tmp_path / "griffin3"), str(tmp_path / "g3"), "--format", "eagle3")
     assert code == 2 and "Token-Guided Fusion" in err and not (tmp_path / "g3").exists()
+
+
+def test_online_features_give_the_batches_a_store_gives(tmp_path, tiny_target_dir):
+    """``train --online`` computes a batch's features with the frozen target through the function feature building
+    uses, rounded to the same storage dtype: the same batch as from a store built with --feature-layers auto; and a
+    run trains from it."""
+    from training.online import OnlineFeatures
+
+    data = write_data(tmp_path / "data.json", conversations(9))
+    store_dir = tmp_path / "store"
+    assert run_main("training.build_features", "--out", str(store_dir), "--target", str(tiny_target_dir), "--data",
+                    data, "--max-len", "256", "--feature-layers", "auto")[0] == 0
+    store = FeatureStore(store_dir)
+    online = OnlineFeatures(str(tiny_target_dir), [data], 256, None, "auto", torch.device("cpu"))
+    assert len(online) == len(store) and online.feature_layers == store.feature_layers
+    assert torch.equal(online.token_counts(), store.token_counts())
+    indices = [0, 3, 5]
+    mine, theirs = make_batch(online.items(indices), fused=True), make_batch(store.items(indices), fused=True)
+    for name in ("tokens", "next_tokens", "data_mask", "valid"):
+        assert torch.equal(getattr(mine, name), getattr(theirs, name)), name
+    for name in ("features", "targets"):  # fp16 storage either way; the forward's batch shapes differ
+        torch.testing.assert_close(getattr(mine, name), getattr(theirs, name), rtol=2e-3, atol=2e-3)
+    code, _ = run_main("training.train", "--online", "--target", str(tiny_target_dir), "--data", data, "--max-len",
+                       "256", "--arch", "eagle3", "--draft-vocab", "64", "--ttt-steps", "2", "--max-updates", "2",
+                       "--batch-size", "2", "--out", str(tmp_path / "head"))
+    assert code == 0 and (tmp_path / "head" / "model.safetensors").is_file()
+    assert json.loads((tmp_path / "head" / "validation.json").read_text())["run"]["features"].startswith("online:")

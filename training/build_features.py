@@ -205,31 +205,51 @@ def hidden_states(decoder, batch: list[torch.Tensor], pad_id: int, device: torch
              None if fused is None else fused[i, : len(x)].float().cpu()) for i, x in enumerate(batch)]
 
 
-def process_shard(records: list, tokenizer, decoder, args, storage_dtype, device, progress,
-                  layers: list[int] | None = None) -> tuple[list, dict]:
+def tokenize_records(records: list, tokenizer, max_len: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                                                     dict[str, int]]:
+    """ShareGPT records -> the usable ones' (input_ids [T], loss_mask [T]) and a count of the others by reason."""
     skipped: dict[str, int] = {}
     usable: list[tuple[torch.Tensor, torch.Tensor]] = []
     for record in records:
         try:
-            ids, mask = tokenize_conversation(tokenizer, to_messages(record), args.max_len)
+            ids, mask = tokenize_conversation(tokenizer, to_messages(record), max_len)
             if not mask.any():
                 raise BadConversation("too_long", "no assistant token within --max-len")
             usable.append((ids, mask))
         except BadConversation as err:
             skipped[err.reason] = skipped.get(err.reason, 0) + 1
+    return usable, skipped
+
+
+def conversations_with_features(decoder, usable: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int,
+                                device: torch.device, storage_dtype: torch.dtype,
+                                layers: list[int] | None = None) -> list[Conversation]:
+    """One padded target forward over the given (input_ids, loss_mask) -> their conversations with features in the
+    storage dtype, as a store holds them (``train --online`` calls this per batch)."""
+    outs = hidden_states(decoder, [ids for ids, _ in usable], pad_id, device, layers)
+    items = []
+    for (ids, mask), (h, fused) in zip(usable, outs):
+        stored = [x.to(storage_dtype) for x in (h, fused) if x is not None]
+        if not all(torch.isfinite(x).all() for x in stored):
+            raise StoreError(f"hidden states overflow {storage_dtype}; build with --dtype bf16")
+        items.append(Conversation(ids, mask, stored[0], stored[1] if fused is not None else None))
+    return items
+
+
+def process_shard(records: list, tokenizer, decoder, args, storage_dtype, device, progress,
+                  layers: list[int] | None = None) -> tuple[list, dict]:
+    usable, skipped = tokenize_records(records, tokenizer, args.max_len)
     order = sorted(range(len(usable)), key=lambda j: len(usable[j][0]))
-    hidden: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * len(usable)
+    built: list[Conversation | None] = [None] * len(usable)
     for b in range(0, len(order), args.batch_size):
         chunk = order[b : b + args.batch_size]
         t0 = time.perf_counter()
-        outs = hidden_states(decoder, [usable[j][0] for j in chunk], tokenizer.pad_token_id, device, layers)
-        for j, (h, fused) in zip(chunk, outs):
-            stored = [x.to(storage_dtype) for x in (h, fused) if x is not None]
-            if not all(torch.isfinite(x).all() for x in stored):
-                raise StoreError(f"hidden states overflow {storage_dtype}; build with --dtype bf16")
-            hidden[j] = (stored[0], stored[1] if fused is not None else None)
+        outs = conversations_with_features(decoder, [usable[j] for j in chunk], tokenizer.pad_token_id, device,
+                                           storage_dtype, layers)
+        for j, item in zip(chunk, outs):
+            built[j] = item
         progress.update(len(chunk), sum(len(usable[j][0]) for j in chunk), time.perf_counter() - t0)
-    items = [Conversation(ids, mask, h, fused) for (ids, mask), (h, fused) in zip(usable, hidden)]
+    items = [item for item in built if item is not None]
     stats = {
         "num_records": len(records), "num_samples": len(items), "skipped": skipped,
         "num_tokens": sum(len(c.input_ids) for c in items),

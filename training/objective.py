@@ -423,7 +423,7 @@ def score_store(objective: MultiPassObjective, store, indices: list[int], batch_
 
     totals = torch.zeros(5, objective.steps, device=device)
     for b in tqdm(range(0, len(indices), batch_size), desc="validate", disable=not progress, leave=False):
-        batch = make_batch([store[i] for i in indices[b : b + batch_size]], max_len, objective.draft.config.fused)
+        batch = make_batch(store.items(indices[b : b + batch_size]), max_len, objective.draft.config.fused)
         batch = batch.to(device)
         member = batch_members(objective.draft, batch)
         vocab = None if member is None else member.nonzero().squeeze(1)

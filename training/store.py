@@ -166,6 +166,10 @@ class FeatureStore:
             layers=handle.get_slice("layers")[start:end] if self.feature_layers else None,
         )
 
+    def items(self, indices: list[int]) -> list[Conversation]:
+        """Conversations ``indices`` (the interface :class:`training.online.OnlineFeatures` shares)."""
+        return [self[i] for i in indices]
+
     def loss_mask(self, i: int) -> torch.Tensor:
         """Conversation ``i``'s loss mask [T] alone (no hidden states read)."""
         s, start, end = self._index[i]

