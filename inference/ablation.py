@@ -24,11 +24,11 @@ import statistics
 import sys
 from pathlib import Path
 
+from griffin.cli import run_cli
 from griffin.io import atomic_write, atomic_write_text, weights_digest
-from training.cli import run_cli
+from griffin.report import markdown_table, paired_difference
 
 from .questions import BENCHES
-from .report import markdown_table, paired_difference
 
 HEADS = {  # label -> checkpoint suffix; arch, K and top-k of each in the model cards
     "GRIFFIN": "griffin",

@@ -24,10 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+from griffin.cli import run_cli
 from griffin.io import atomic_write, atomic_write_json, weights_digest
-from training.cli import run_cli
-
-from .report import command_line, machine_info, markdown_table, write_benchmark
+from griffin.report import command_line, machine_info, markdown_table, write_benchmark
 
 INIT = "init (no fine-tuning)"
 OBJECTIVES = {  # head name -> training.train flags; {heads} is the heads folder

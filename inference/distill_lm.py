@@ -28,10 +28,10 @@ import sys
 import time
 from pathlib import Path
 
-from training.cli import run_cli
+from griffin.cli import run_cli
+from griffin.report import command_line, machine_info, machine_text, markdown_table, write_benchmark
 
 from .questions import load_questions
-from .report import command_line, machine_info, machine_text, markdown_table, write_benchmark
 
 HEAD_TREE = {"depth": 1, "top_k": 8, "total_tokens": 3}  # the tree of the head's committed MT-Bench runs
 
@@ -103,7 +103,7 @@ from tqdm.auto import tqdm
 
 from griffin import SpecGenerator
 from griffin.autotune import forward_cost
-from griffin.chat import prompt_ids
+from griffin.chat_template import prompt_ids
 from griffin.draft import DraftModel
 from griffin.draft_lm import DraftLM, draft_step_cost, expected_tokens, load_draft_lm, measured_alpha
 from griffin.generator import default_head, fast_draft_dtype

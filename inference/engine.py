@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from griffin.cli import run_cli
 from griffin.constants import EMBEDDED_TARGET
-from training.cli import run_cli
 
 RESULTS = Path("benchmarks/results")
 
@@ -55,10 +55,9 @@ from griffin import DraftConfig, DraftModel, SpecGenerator
 from griffin.autotune import forward_cost
 from griffin.drafters import OracleDrafter
 from griffin.plain import plain_generate
+from griffin.report import command_line, machine_info, machine_text, markdown_table, write_benchmark
 from griffin.sampling import SamplingConfig
 from griffin.target import load_target
-
-from .report import command_line, machine_info, machine_text, markdown_table, write_benchmark
 
 PROMPTS = [  # generic requests, not evaluation questions
     "Explain how a bicycle works.",

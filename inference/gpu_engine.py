@@ -44,9 +44,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from unittest import mock
 
-from training.cli import run_cli
-
-from .report import command_line, machine_info, markdown_table, write_benchmark
+from griffin.cli import run_cli
+from griffin.report import command_line, machine_info, markdown_table, write_benchmark
 
 RESULTS = Path("benchmarks/results/gpu")
 LLAMA = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, rms_norm_eps=1e-5, hidden_act="silu")

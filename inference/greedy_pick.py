@@ -17,9 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from training.cli import run_cli
-
-from .report import command_line, machine_info, machine_text, markdown_table, write_benchmark
+from griffin.cli import run_cli
+from griffin.report import command_line, machine_info, machine_text, markdown_table, write_benchmark
 
 RESULTS = Path("benchmarks/results")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

@@ -15,11 +15,11 @@ import json
 import sys
 from pathlib import Path
 
+from griffin.cli import run_cli
 from griffin.io import atomic_write_text, weights_digest
-from training.cli import run_cli
+from griffin.report import fastest_plain, markdown_table, result_stem, tree_text
 
 from .questions import BENCHES
-from .report import fastest_plain, markdown_table, result_stem, tree_text
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 

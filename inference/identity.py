@@ -25,8 +25,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from griffin.cli import run_cli, tree_size
 from griffin.constants import EMBEDDED_TARGET
-from training.cli import run_cli, tree_size
 
 KERNELS = ("linear", "weight-major", "pad")
 
@@ -56,13 +56,13 @@ import torch
 from tqdm.auto import tqdm
 
 from griffin import SpecGenerator
-from griffin.chat import prompt_ids
+from griffin.chat_template import prompt_ids
 from griffin.plain import plain_generate
+from griffin.report import command_line, machine_info, machine_text, markdown_table, write_benchmark
 from griffin.sampling import SamplingConfig
 from griffin.target import load_target
 
 from .questions import load_questions
-from .report import command_line, machine_info, machine_text, markdown_table, write_benchmark
 
 
 def ulp(value: float, dtype: torch.dtype) -> float:

@@ -23,10 +23,9 @@ from pathlib import Path
 
 import numpy
 
+from griffin.cli import run_cli
 from griffin.io import read_json
-from training.cli import run_cli
-
-from .report import command_line, markdown_table, write_benchmark
+from griffin.report import command_line, markdown_table, write_benchmark
 
 DEFAULT_RECIPE = "checkpoints/smollm2-135m-instruct-wip/recipe.json"
 PAIRS = {"griffin-s1": "eagle-s1", "griffin": "eagle2"}  # a GRIFFIN head and the EAGLE head with its data and budget

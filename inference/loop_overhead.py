@@ -19,10 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+from griffin.cli import positive_int, run_cli
 from griffin.constants import EMBEDDED_TARGET
-from training.cli import positive_int, run_cli
-
-from .report import command_line, machine_info, machine_text, markdown_table, write_benchmark
+from griffin.report import command_line, machine_info, machine_text, markdown_table, write_benchmark
 
 PROMPT = "Write a short story about a lighthouse keeper."
 

@@ -25,10 +25,9 @@ import sys
 import time
 from pathlib import Path
 
+from griffin.cli import run_cli
 from griffin.constants import EMBEDDED_TARGET
-from training.cli import run_cli
-
-from .report import command_line, machine_info, machine_text, markdown_table, write_benchmark
+from griffin.report import command_line, machine_info, machine_text, markdown_table, write_benchmark
 
 PROMPT = "Describe how a steam engine turns heat into motion."  # a generic request, not an evaluation question
 RESULTS = Path("benchmarks/results")
@@ -59,7 +58,7 @@ if __name__ == "__main__":  # --help and usage errors answer here, before torch 
 import torch
 from tqdm.auto import tqdm
 
-from griffin.chat import prompt_ids
+from griffin.chat_template import prompt_ids
 from griffin.family import output_logits
 from griffin.kernels import ONE_ROW_KERNELS, WeightMajorLinears, measure_kernels, pick
 from griffin.kv_cache import BufferCache, cached_forward

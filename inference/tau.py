@@ -59,11 +59,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from griffin.cli import run_cli
 from griffin.constants import EMBEDDED_TARGET
-from training.cli import run_cli
+from griffin.report import command_line, machine_info, machine_text, markdown_table, paired_difference, write_benchmark
 
 from .questions import BENCHES, EXTRA_BENCHES, load_questions
-from .report import command_line, machine_info, machine_text, markdown_table, paired_difference, write_benchmark
 
 CONTINUATIONS = Path("benchmarks/results/continuations")
 FORMAT = 1  # version of the continuation file layout
@@ -122,7 +122,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from griffin import DraftModel, SpecGenerator
-from griffin.chat import prompt_ids
+from griffin.chat_template import prompt_ids
 from griffin.drafters import HeadDrafter
 from griffin.family import verification_mask
 from griffin.generator import default_head, fast_draft_dtype

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from griffin.cli import run_cli
 from griffin.constants import EMBEDDED_TARGET
-from training.cli import run_cli
 
 RESULTS = Path("benchmarks/results")
 
@@ -52,9 +52,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from griffin import DraftConfig, DraftModel, SpecGenerator
 from griffin.autotune import cached_context_forward, forward_cost
+from griffin.report import command_line, machine_info, machine_text, markdown_table, write_benchmark
 from griffin.target import load_target
-
-from .report import command_line, machine_info, machine_text, markdown_table, write_benchmark
 
 MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
           "mkldnn::_linear_pointwise"}  # the last: the oneDNN kernel over a packed weight (griffin.kernels)

@@ -31,7 +31,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from training.cli import run_cli
+from griffin.cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 THREADS = min(2, torch.get_num_threads())

@@ -243,7 +243,7 @@ def test_ablation_report_and_readme_section_count_only_runs_of_the_present_weigh
             "2.00x |") in text  # the CPU without trademark signs
     assert "| 20.0 (linear) | 1.20x | 1.00 |" in text  # prompt lookup: a ratio of tokens/s (18 / 15), not of times
     assert "| GRIFFIN | 3.00 ± 0.10 |" in text and "+0.800 ± 0.000" not in text  # the τ table, not the paired one
-    from inference.report import result_stem
+    from griffin.report import result_stem
 
     assert result_stem("gsm8k", "h", 0.0, "fp32") == "gsm8k-h-T0" and result_stem("gsm8k", "h", 1.0, "bf16") == \
         "gsm8k-h-T1-bf16"
@@ -294,8 +294,8 @@ def test_ablation_from_replays_runs_every_head_at_once_and_pairs_griffin_with_ea
 
 def test_machine_line_names_the_vector_extensions_and_the_headline_marks_amx():
     from griffin.kernels import VECTOR_FLAGS, cpu_flags
+    from griffin.report import machine_info, machine_text
     from inference.headline import cpu_text
-    from inference.report import machine_info, machine_text
 
     assert set(cpu_flags()) <= set(VECTOR_FLAGS) and machine_info()["cpu_flags"] == cpu_flags()
     xeon = {"cpu": "Intel(R) Xeon(R) Platinum 8481C CPU", "cores": 2, "torch": "2.13", "date": "today",

@@ -91,10 +91,10 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from griffin.cli import run_cli
 from griffin.constants import EMBEDDED_TARGET
 from griffin.io import atomic_write_json, atomic_write_text
 
-from .cli import run_cli
 from .data import DEFAULT_DATA, iter_records
 from .regenerate import part_cost_file, part_file
 
@@ -578,7 +578,7 @@ def held_out_records(args, cfg: dict, state: dict, chunk: int) -> str:
     ShareGPT's), as JSONL: found by tokenizing the chunk's records as build_features did and matching the stored ids."""
     from transformers import AutoTokenizer
 
-    from griffin.chat import tokenize_conversation
+    from griffin.chat_template import tokenize_conversation
     from griffin.target import resolve_target_path
 
     from .data import BadConversation, to_messages
@@ -805,7 +805,7 @@ def figure(value: float | None, digits: int) -> str:
 
 def progress_markdown(cfg: dict, state: dict) -> str:
     """README of the --checkpoints folder: what each head has consumed and its learning curve."""
-    from inference.report import markdown_table
+    from griffin.report import markdown_table
 
     heads = markdown_table(["head", "chunks consumed", "of"], [[h.name, consumed_text(state, h), cfg["chunks"]]
                                                               for h in STAGE1 + HEADS])

@@ -27,9 +27,8 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from griffin.cli import fraction, nonnegative_float, nonnegative_int, positive_float, positive_int, prepare_out, run_cli
 from griffin.constants import TOKEN_LOSSES
-
-from .cli import fraction, nonnegative_float, nonnegative_int, positive_float, positive_int, prepare_out, run_cli
 
 VAL_FRACTION = 0.05  # of a store's conversations held out for validation (the same ones for every head)
 
