@@ -175,7 +175,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plan", action="store_true", help="print the state and the next steps, run nothing")
     p.add_argument("--promote", action="store_true",
                    help="once every head has consumed every chunk: ship them, exported with their cards to "
-                        "<parent of --checkpoints>/<target>-<head> (the folders inference.ablation and the default "
+                        "<parent of --checkpoints>/<target>-<head> (the folders benchmarks.ablation and the default "
                         "head read), and run nothing else")
     args = p.parse_args(argv)
     try:

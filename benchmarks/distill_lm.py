@@ -1,9 +1,9 @@
 """Distilled draft LMs for the embedded target: acceptance per objective and data, and speed against plain decoding
 and the shipped GRIFFIN head. Writes ``benchmarks/results/distill-lm.{json,md,png}``.
 
-    OMP_NUM_THREADS=1 python -m inference.distill_lm                          # the committed run (tiny budgets)
-    OMP_NUM_THREADS=1 python -m inference.distill_lm --train-only tvd,tvdpp   # train students in another process
-    OMP_NUM_THREADS=1 python -m inference.distill_lm --steps 150 --lr 3e-3 --gen-len 64 --questions 16 \
+    OMP_NUM_THREADS=1 python -m benchmarks.distill_lm                          # the committed run (tiny budgets)
+    OMP_NUM_THREADS=1 python -m benchmarks.distill_lm --train-only tvd,tvdpp   # train students in another process
+    OMP_NUM_THREADS=1 python -m benchmarks.distill_lm --steps 150 --lr 3e-3 --gen-len 64 --questions 16 \
         --max-new-tokens 64 --val-every 25 --val-samples 8 --students fkl,fkl-fixed,fkl-target --tag study
 
 1. Students (``python -m training.distill``, the default 2-layer student with a reduced output vocabulary), each
@@ -30,8 +30,7 @@ from pathlib import Path
 
 from griffin.cli import run_cli
 from griffin.report import command_line, machine_info, machine_text, markdown_table, write_benchmark
-
-from .questions import load_questions
+from inference.questions import load_questions
 
 HEAD_TREE = {"depth": 1, "top_k": 8, "total_tokens": 3}  # the tree of the head's committed MT-Bench runs
 
@@ -56,7 +55,7 @@ STUDENT_NAMES = [name for name, _, _ in variants(Path("."))]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inference.distill_lm", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.distill_lm", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", default="students/distill-lm", help="students and partial results (resumable)")
     p.add_argument("--steps", type=int, default=10, help="distillation updates per student")
@@ -378,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
               "speed": speed(target, tokenizer, ids, work / best, args),
               "load_average_after_speed": os.getloadavg()[0],
               "train_minutes": sum(s["train_seconds"] for s in students.values()) / 60, "machine": machine_info(),
-              "command": "OMP_NUM_THREADS=1 " + command_line("inference.distill_lm", args.argv)}
+              "command": "OMP_NUM_THREADS=1 " + command_line("benchmarks.distill_lm", args.argv)}
     result["wall_minutes"] = (time.perf_counter() - started) / 60
     out_dir = Path(args.out_dir)
     stem = f"distill-lm-{args.tag}" if args.tag else "distill-lm"

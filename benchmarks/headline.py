@@ -1,6 +1,6 @@
 """Regenerate the README's results section from the committed speed-run files.
 
-    python -m inference.headline
+    python -m benchmarks.headline
 
 Reads ``benchmarks/results/<bench>-<head>[-lookup<K>]-T<temp>[-bf16].json`` for the shipped default head (runs with
 ``--lookup K`` add a prompt-lookup chain to its tree) and ``ablation.md``, and rewrites the text between
@@ -18,8 +18,7 @@ from pathlib import Path
 from griffin.cli import run_cli
 from griffin.io import atomic_write_text, weights_digest
 from griffin.report import fastest_plain, markdown_table, result_stem, tree_text
-
-from .questions import BENCHES
+from inference.questions import BENCHES
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
@@ -160,7 +159,7 @@ def costs(results_dir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m inference.headline", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.headline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--readme", default="README.md")
     p.add_argument("--results", default="benchmarks/results")

@@ -1,8 +1,8 @@
 """The GRIFFIN paper's ablation on our target: acceptance length of five heads trained on the same data and budget.
 
-    python -m inference.ablation --run --replay  # offline replays (inference.tau) of every head, then the report
-    python -m inference.ablation --run          # speed runs of the real engine (our generator only), then the report
-    python -m inference.ablation                # only rebuild the report from existing results
+    python -m benchmarks.ablation --run --replay  # offline replays (inference.tau) of every head, then the report
+    python -m benchmarks.ablation --run          # speed runs of the real engine (our generator only), then the report
+    python -m benchmarks.ablation                # only rebuild the report from existing results
 
 Heads are ``checkpoints/<target>-<name>`` for the names below; every head uses the same tree and generation settings.
 Only runs of a head's present weights count (the weights digest each run records).
@@ -27,8 +27,7 @@ from pathlib import Path
 from griffin.cli import run_cli
 from griffin.io import atomic_write, atomic_write_text, weights_digest
 from griffin.report import markdown_table, paired_difference
-
-from .questions import BENCHES
+from inference.questions import BENCHES
 
 HEADS = {  # label -> checkpoint suffix; arch, K and top-k of each in the model cards
     "GRIFFIN": "griffin",
@@ -42,7 +41,7 @@ OURS = "GRIFFIN"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inference.ablation", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ablation", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", action="store_true", help="run the missing runs first")
     p.add_argument("--replay", action="store_true",
@@ -91,7 +90,7 @@ def tree_argv(args, bench: str, temperature: float) -> list[str]:
 
 
 def run_missing(args, temperatures: list[float]) -> None:
-    from . import speed
+    from inference import speed
 
     for suffix in args.heads.split(","):
         head = Path(args.checkpoints) / f"{args.target}-{suffix}"
@@ -105,7 +104,7 @@ def run_missing(args, temperatures: list[float]) -> None:
 
 def run_missing_replays(args, temperatures: list[float]) -> None:
     """One replay per bench and temperature with every head at once (the target's forward is shared)."""
-    from . import tau
+    from inference import tau
 
     heads = [str(Path(args.checkpoints) / f"{args.target}-{suffix}") for suffix in args.heads.split(",")]
     for temperature in temperatures:
@@ -212,7 +211,7 @@ def report(args, temperatures: list[float]) -> str:
             "per-prompt τ (the spread over prompts; at T=0 all heads answer the same prompts, so a difference between "
             "heads is less noisy than that: see the paired table).\n\n" + markdown_table(headers, rows))
     text += paired_section(runs, columns, names)
-    text += (f"\nProduced by `python -m inference.ablation{' --replay' if args.replay else ''}`, from these runs:\n\n"
+    text += (f"\nProduced by `python -m benchmarks.ablation{' --replay' if args.replay else ''}`, from these runs:\n\n"
              + "".join(f"- `{c}`\n" for c in sorted(commands)))
     plot(args, taus, errors, columns)
     return text

@@ -1,6 +1,6 @@
 """The greedy pick over the vocabulary: ``argmax`` against ``max(...).indices``, side by side.
 
-    OMP_NUM_THREADS=1 python -m inference.greedy_pick        # the embedded target's vocabulary, fp32 and bf16
+    OMP_NUM_THREADS=1 python -m benchmarks.greedy_pick        # the embedded target's vocabulary, fp32 and bf16
 
 Greedy decoding and greedy verification pick the largest logit of every row: one row per plain decode step, one row
 per tree node when verifying. Both ops return the first index among equal maxima; their CPU kernels differ in speed,
@@ -25,7 +25,7 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inference.greedy_pick", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.greedy_pick", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vocab", type=int, default=49152, help="columns per row (default: SmolLM2's vocabulary)")
     p.add_argument("--rows", default="1,8,24", help="comma-separated row counts (decode step, tree sizes)")
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rows = measure(args)
     result = {"vocab": args.vocab, "rounds": args.rounds, "rows": rows, "machine": machine_info(),
-              "command": command_line("inference.greedy_pick", args.argv)}
+              "command": command_line("benchmarks.greedy_pick", args.argv)}
     table = markdown_table(["dtype", "rows", "argmax ms", "max().indices ms", "argmax / max", "same indices"],
                            [[r["dtype"], r["rows"], f"{r['ms']['argmax']:.3f}", f"{r['ms']['max().indices']:.3f}",
                              f"{r['speedup']:.2f}x", r["same_indices"]] for r in rows])

@@ -1,6 +1,6 @@
 """Where the time of one verification forward goes: an operator profile of the target over n new tokens.
 
-    python -m inference.verify_profile                  # embedded target, fp32, n = 1, 4 and 25 new tokens
+    python -m benchmarks.verify_profile                  # embedded target, fp32, n = 1, 4 and 25 new tokens
 
 One target forward over n new tokens after 256 cached ones, exactly as verification runs it (the generator's
 ``_target_forward``, with the CPU's weight-major small matmuls when they apply), is timed without the profiler (all n
@@ -26,7 +26,7 @@ RESULTS = Path("benchmarks/results")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inference.verify_profile", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.verify_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=EMBEDDED_TARGET)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {n: {"wall_s": walls[n], **profile_forward(forward, n, args.repeats)} for n in args.tokens}
     result = {"target": args.target, "dtype": args.dtype, "context": 256, "repeats": args.repeats,
               "weight_major_max_rows": gen.weight_major.max_rows, "linear_weight_bytes": weight_bytes,
-              "runs": runs, "machine": machine_info(), "command": command_line("inference.verify_profile")}
+              "runs": runs, "machine": machine_info(), "command": command_line("benchmarks.verify_profile")}
     write_benchmark(args.out_dir, "verify-profile", result, table(result))
     return 0
 

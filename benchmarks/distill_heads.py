@@ -1,8 +1,8 @@
 """Distillation objectives on our target: GRIFFIN heads fine-tuned from one initial head with each token objective.
 
-    python -m inference.distill_heads --train --features work/features-distill --heads work/distill-heads
-    python -m inference.distill_heads --evaluate --heads work/distill-heads    # τ of every head (inference.tau)
-    python -m inference.distill_heads --heads work/distill-heads               # only rebuild the report
+    python -m benchmarks.distill_heads --train --features work/features-distill --heads work/distill-heads
+    python -m benchmarks.distill_heads --evaluate --heads work/distill-heads    # τ of every head (inference.tau)
+    python -m benchmarks.distill_heads --heads work/distill-heads               # only rebuild the report
 
 Every head starts from ``--init`` (the shipped GRIFFIN head) and gets the same data, schedule and budget (one
 ``training.train`` run each, K=3, top-3 alignment mask, the init head's draft vocabulary); only the token loss
@@ -43,7 +43,7 @@ BASELINE = "soft-ce"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inference.distill_heads", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.distill_heads", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--train", action="store_true", help="train the missing heads first")
     p.add_argument("--evaluate", action="store_true", help="measure τ of the heads without results first")
@@ -140,8 +140,7 @@ def evaluate_missing(args, argv: list[str] | None) -> None:
     from tqdm.auto import tqdm
 
     from griffin.target import EMBEDDED_TARGET, load_target
-
-    from . import tau
+    from inference import tau
 
     torch.set_num_threads(1)
     init_validation = Path(args.results) / "init-validation.json"
@@ -184,7 +183,7 @@ def evaluate_missing(args, argv: list[str] | None) -> None:
                       "limit": args.limit[temperature], "max_new_tokens": args.max_new_tokens,
                       "tree": {"total_tokens": args.total_tokens, "depth": args.depth, "top_k": args.top_k},
                       **res.as_dict(), "seconds_this_run_all_heads": seconds, "machine": machine_info(),
-                      "command": command_line("inference.distill_heads", argv)}
+                      "command": command_line("benchmarks.distill_heads", argv)}
             atomic_write_json(result_path(args, name, temperature), record)
             print(f"{name} T={key}: τ {res.tau:.3f} ± {res.tau_se:.3f}", flush=True)
         journal.finish()
@@ -274,14 +273,14 @@ def report(args, argv: list[str] | None) -> None:
             "is on the store's held-out conversations with the inference-time draft vocabulary. soft-CE and FKL "
             "differ by the target's entropy only, so they have the same gradient: the gap between those two heads is "
             "the run-to-run noise of this setup (float rounding through bf16 autocast and Adam).\n\n"
-            + markdown_table(headers, rows) + "\nTraining commands (`python -m inference.distill_heads --train`):"
+            + markdown_table(headers, rows) + "\nTraining commands (`python -m benchmarks.distill_heads --train`):"
             "\n\n" + "".join(f"- `{' '.join(['python'] + train_command(args, n)[1:])}`\n" for n in heads
                              if n != INIT) + "\nτ commands:\n\n" + "".join(f"- `{c}`\n" for c in commands) +
-            f"\nReport: `{command_line('inference.distill_heads', argv)}`\n")
+            f"\nReport: `{command_line('benchmarks.distill_heads', argv)}`\n")
     result = {"bench": args.bench, "init": args.init, "baseline": BASELINE,
               "tree": {"total_tokens": args.total_tokens, "depth": args.depth, "top_k": args.top_k},
               "max_new_tokens": args.max_new_tokens, "heads": heads, "machine": machine_info(),
-              "command": command_line("inference.distill_heads", argv)}
+              "command": command_line("benchmarks.distill_heads", argv)}
     report_path = Path(args.report)
     write_benchmark(report_path.parent, report_path.stem, result, text)
     plot(heads, temps, report_path.with_suffix(".png"), args.depth)

@@ -1,6 +1,6 @@
 """What the generator's loop costs beyond the target's forward: decoding with no draft tree against the plain loop.
 
-    OMP_NUM_THREADS=1 python -m inference.loop_overhead          # embedded target, fp32, 64 tokens, 5 rounds
+    OMP_NUM_THREADS=1 python -m benchmarks.loop_overhead          # embedded target, fp32, 64 tokens, 5 rounds
 
 With ``total_tokens=0`` the generator proposes nothing and verifies one token per cycle, which is plain decoding
 through the speculative loop; :func:`griffin.plain.plain_generate` is plain decoding with nothing else. Both use the
@@ -27,7 +27,7 @@ PROMPT = "Write a short story about a lighthouse keeper."
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inference.loop_overhead", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.loop_overhead", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=EMBEDDED_TARGET)
     p.add_argument("--tokens", type=positive_int, default=64, help="new tokens per generation")
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
               "ms_per_token_all": {k: [s * 1000 for s in v] for k, v in per_token.items()},
               "kernel_switch_ms": switch_s * 1000, "switched_layers": len(switch.linears),
               "kernels": switch.describe(), "machine": machine_info(),
-              "command": command_line("inference.loop_overhead", args.argv)}
+              "command": command_line("benchmarks.loop_overhead", args.argv)}
     rows = [[name, f"{value:.2f}"] for name, value in ms.items()]
     rows.append(["difference (the loop's cost per cycle)", f"{ms['generator, no tree'] - ms['plain loop']:.2f}"])
     rows.append([f"enter + exit of the kernel switch ({len(switch.linears)} layers)", f"{switch_s * 1000:.2f}"])

@@ -1,6 +1,6 @@
 """Which kernel makes plain decoding fastest: the one-row linear layers of a decode step, side by side.
 
-    OMP_NUM_THREADS=1 python -m inference.plain_kernel     # embedded target, fp32 and bf16, 100 rounds
+    OMP_NUM_THREADS=1 python -m benchmarks.plain_kernel     # embedded target, fp32 and bf16, 100 rounds
 
 A plain decode step feeds one token, so each of the target's linear layers multiplies one row. This times one decode
 step of our plain loop (:func:`griffin.plain.plain_generate`: the target's forward over one token after a
@@ -34,7 +34,7 @@ RESULTS = Path("benchmarks/results")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inference.plain_kernel", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.plain_kernel", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=EMBEDDED_TARGET)
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated target dtypes")
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                                                         "rows_kernel": rows_kernel, "text": text}}
         del model
     result["machine"] = machine_info()
-    result["command"] = command_line("inference.plain_kernel", args.argv)
+    result["command"] = command_line("benchmarks.plain_kernel", args.argv)
     write_benchmark(args.out_dir, "plain-kernel", result, table(result))
     return 0
 

@@ -1,7 +1,7 @@
 """Where greedy outputs stop being identical to transformers' ``generate``, and why.
 
-    python -m inference.identity --dtype bf16 --limit 20
-    python -m inference.identity --dtype fp32 --limit 20 --draft checkpoints/smollm2-135m-instruct-eagle
+    python -m benchmarks.identity --dtype bf16 --limit 20
+    python -m benchmarks.identity --dtype fp32 --limit 20 --draft checkpoints/smollm2-135m-instruct-eagle
 
 Greedy decoding is a chain of argmaxes. A speculative engine verifies several tokens in one target forward, so its
 matrix products sum in another order than a one-token step does; in fp32 that moves logits by about 1e-6 and never
@@ -32,7 +32,7 @@ KERNELS = ("linear", "weight-major", "pad")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inference.identity", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.identity", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=EMBEDDED_TARGET)
     p.add_argument("--draft", default=None, help="head folder (default: the head shipped for the target)")
@@ -61,8 +61,7 @@ from griffin.plain import plain_generate
 from griffin.report import command_line, machine_info, machine_text, markdown_table, write_benchmark
 from griffin.sampling import SamplingConfig
 from griffin.target import load_target
-
-from .questions import load_questions
+from inference.questions import load_questions
 
 
 def ulp(value: float, dtype: torch.dtype) -> float:
@@ -126,7 +125,7 @@ def run(args: argparse.Namespace) -> dict:
     draft = gen.draft_path.name if gen.draft_path else "head"
     return {"target": args.target, "dtype": args.dtype, "bench": args.bench, "prompts": args.limit,
             "max_new_tokens": args.max_new_tokens, "tree": tree, "draft": draft,
-            "methods": rows, "machine": machine_info(), "command": command_line("inference.identity", args.argv)}
+            "methods": rows, "machine": machine_info(), "command": command_line("benchmarks.identity", args.argv)}
 
 
 def report(result: dict) -> str:

@@ -1,6 +1,6 @@
 """What the speculative engine itself costs and what it can reach, independent of how good a head is.
 
-    python -m inference.engine                     # embedded target, fp32, a few generic prompts
+    python -m benchmarks.engine                     # embedded target, fp32, a few generic prompts
 
 1. **Cycle overhead.** One speculative cycle with an untrained head (it drafts a full tree; almost nothing is accepted)
    against one plain decode step of transformers' ``generate`` and of our own plain loop.
@@ -29,7 +29,7 @@ RESULTS = Path("benchmarks/results")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inference.engine", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=EMBEDDED_TARGET)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                    for name in methods if name.startswith("oracle")},
         "own_loop_speedup_vs_generate": seconds["generate"] / seconds["own_loop"],
         "forward_cost_s": curves,
-        "seconds": seconds, "tokens": tokens, "machine": machine_info(), "command": command_line("inference.engine"),
+        "seconds": seconds, "tokens": tokens, "machine": machine_info(), "command": command_line("benchmarks.engine"),
     }
     write_benchmark(args.out_dir, "engine", result, table(result))
     return 0

@@ -1,8 +1,8 @@
 """The engine on a GPU with nothing brought along: random-weight targets of real shapes, an oracle, an untrained head.
 
-    python -m inference.gpu_engine --device cuda --dtype bf16 --shapes llama2-7b,llama3-8b
-    python -m inference.gpu_engine --shapes llama2-7b --quick --compile --tag compile   # eager and CUDA graphs
-    python -m inference.gpu_engine --shapes tiny --device cpu --quick                   # seconds, on any machine
+    python -m benchmarks.gpu_engine --device cuda --dtype bf16 --shapes llama2-7b,llama3-8b
+    python -m benchmarks.gpu_engine --shapes llama2-7b --quick --compile --tag compile   # eager and CUDA graphs
+    python -m benchmarks.gpu_engine --shapes tiny --device cpu --quick                   # seconds, on any machine
 
 Each target is built on the device itself: meta-device init, then uninitialised device memory filled with N(0, 0.02)
 (norms 1), so a 7B model takes seconds and no host memory. Its weights are random and its text meaningless, so an oracle
@@ -106,7 +106,7 @@ class IdTokenizer:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inference.gpu_engine", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_engine", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="llama2-7b,llama3-8b", help=f"comma-separated, from {', '.join(SHAPES)}")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
@@ -298,7 +298,7 @@ class Shape:
             "parameters": sum(p.numel() for p in self.model.parameters()), "head_parameters": head.num_parameters(),
             "dtype": args.dtype, "device": str(self.device), "plan": asdict(plan), "build_s": build_s,
             "tree": {"depth": DEPTH, "top_k": TOP_K}, "draft_vocab": args.draft_vocab, "complete": False,
-            "command": command_line("inference.gpu_engine", getattr(args, "argv", None)),
+            "command": command_line("benchmarks.gpu_engine", getattr(args, "argv", None)),
             "date": machine_info()["date"],
         }
         self.references: list[list[int]] = []

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Issue 14 on a lent GPU machine, in one command from the repository root (needs no network):
 #
-#     bash inference/gpu_check.sh                     # results and logs in $OUT (default ./gpu-check)
-#     GPU_CHECK_TINY=1 bash inference/gpu_check.sh    # the same steps at tiny sizes: checks this script on a CPU
+#     bash benchmarks/gpu_check.sh                     # results and logs in $OUT (default ./gpu-check)
+#     GPU_CHECK_TINY=1 bash benchmarks/gpu_check.sh    # the same steps at tiny sizes: checks this script on a CPU
 #
 # Steps, each under its own time limit and all of them within GPU_CHECK_BUDGET seconds (default 500):
 #   1. environment: nvidia-smi, python, torch and CUDA, transformers, accelerate       -> summary.txt
 #   2. python -m pytest -v -m cuda   (the CUDA tier: lossless at bf16/fp16, training)   -> pytest-cuda.log
 #      (GPU_CHECK_TESTS=0 skips it)
-#   3. python -m inference.gpu_engine --shapes llama2-7b                                 -> engine-<gpu>.{json,md}
-#   4. python -m inference.gpu_engine --shapes llama3-8b                                 -> the same files
-#   5. python -m inference.gpu_engine --shapes llama2-7b --quick --compile --tag compile -> engine-<gpu>-compile.*
+#   3. python -m benchmarks.gpu_engine --shapes llama2-7b                                 -> engine-<gpu>.{json,md}
+#   4. python -m benchmarks.gpu_engine --shapes llama3-8b                                 -> the same files
+#   5. python -m benchmarks.gpu_engine --shapes llama2-7b --quick --compile --tag compile -> engine-<gpu>-compile.*
 #      (with the time left; GPU_CHECK_COMPILE=0 skips it, and tiny runs skip it unless GPU_CHECK_COMPILE=1)
 # GPU_CHECK_SHAPES="llama3-8b" picks the shapes of steps 3-4; GPU_CHECK_QUICK=1 runs them with --quick.
 # Benchmark output goes to bench.log. At most 7 files in $OUT. Exit code: the first failing step's (0: all passed).
@@ -75,12 +75,12 @@ if [ "${GPU_CHECK_TESTS:-1}" = 1 ]; then
     step "CUDA tests" 240 "$OUT/pytest-cuda.log" python -m pytest -v -m cuda -rs --durations=20 -p no:cacheprovider
 fi
 for shape in "${shapes[@]}"; do
-    step "benchmark $shape" 140 "$OUT/bench.log" python -m inference.gpu_engine --shapes "$shape" "${quick[@]}" \
+    step "benchmark $shape" 140 "$OUT/bench.log" python -m benchmarks.gpu_engine --shapes "$shape" "${quick[@]}" \
         --out-dir "$OUT"
 done
 if [ "$compile" = 1 ]; then
     step "benchmark ${shapes[0]} with torch.compile" 300 "$OUT/bench.log" \
-        python -m inference.gpu_engine --shapes "${shapes[0]}" --quick --compile --tag compile --out-dir "$OUT"
+        python -m benchmarks.gpu_engine --shapes "${shapes[0]}" --quick --compile --tag compile --out-dir "$OUT"
 fi
 echo "total $(($(date +%s) - start)) s, exit $status" >>"$summary"
 cat "$summary"

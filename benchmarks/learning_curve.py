@@ -1,7 +1,7 @@
 """The recipe's learning curve: validation top-1 of each head against training tokens seen, with a log-linear fit.
 
-    python -m inference.learning_curve
-    python -m inference.learning_curve --recipe checkpoints/smollm2-135m-instruct-wip/recipe.json --target 0.60
+    python -m benchmarks.learning_curve
+    python -m benchmarks.learning_curve --recipe checkpoints/smollm2-135m-instruct-wip/recipe.json --target 0.60
 
 Reads the ``recipe.json`` that ``training.recipe`` commits beside its heads (no model is run) and writes
 ``benchmarks/results/learning-curve.{json,md,png}``: top-1 at pass 1 on the recipe's two fixed validation sets after
@@ -32,7 +32,7 @@ PAIRS = {"griffin-s1": "eagle-s1", "griffin": "eagle2"}  # a GRIFFIN head and th
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inference.learning_curve", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.learning_curve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default=DEFAULT_RECIPE, help="the recipe.json of training.recipe")
     p.add_argument("--target", type=float, default=0.60, help="the top-1 whose tokens the fit extrapolates to")
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(state, dict) or not state.get("curve"):
         raise ValueError(f"{args.recipe} has no learning curve yet: run python -m training.recipe first")
     result = curve(state, args.fit_from, args.target)
-    result.update(recipe=args.recipe, command=command_line("inference.learning_curve", args.argv))
+    result.update(recipe=args.recipe, command=command_line("benchmarks.learning_curve", args.argv))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     result["plot"] = plot(result, out / f"{args.stem}.png")
