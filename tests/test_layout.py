@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -22,7 +23,8 @@ def module_name(path: Path) -> str:
 
 def project_files() -> list[Path]:
     """The Python files of the four folders (``benchmarks/results`` holds scripts kept as they ran: not the house)."""
-    return [p for folder in FLOORS for p in sorted((ROOT / folder).glob("*.py"))]
+    return [p for folder in FLOORS for p in sorted((ROOT / folder).rglob("*.py"))
+            if "results" not in p.relative_to(ROOT).parts]
 
 
 def _under_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
@@ -120,8 +122,8 @@ def test_no_import_circle_inside_griffin():
 
 
 def commands() -> list[str]:
-    """Every ``python -m`` command of the project: the modules that name themselves so in their argument parser."""
-    return [module_name(p) for p in project_files() if f'prog="python -m {module_name(p)}"' in p.read_text()]
+    """Every ``python -m`` command of the project: what the argument parsers name themselves (``prog``)."""
+    return sorted({name for p in project_files() for name in re.findall(r'prog="python -m ([\w.]+)"', p.read_text())})
 
 
 HELP_WITHOUT_TORCH = """

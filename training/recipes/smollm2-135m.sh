@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The shipped heads for the embedded SmolLM2-135M-Instruct target, from data to checkpoints (CPU, resumable, and
-# continued across machines from the committed heads). The driver is training/recipe.py; its --help describes the
+# continued across machines from the committed heads). The driver is the training/recipe package (python -m training.recipe); its --help describes the
 # data (all of ShareGPT plus the target's own answers to first turns), the chunks, the one schedule of the five heads
 # (GRIFFIN, w/o TAT, w/o TAD, HASS, EAGLE-2) and what is committed when.
 #
