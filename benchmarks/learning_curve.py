@@ -1,7 +1,7 @@
 """The recipe's learning curve: validation top-1 of each head against training tokens seen, with a log-linear fit.
 
     python -m benchmarks.learning_curve
-    python -m benchmarks.learning_curve --recipe checkpoints/smollm2-135m-instruct-wip/recipe.json --target 0.60
+    python -m benchmarks.learning_curve --recipe benchmarks/results/recipe/recipe.json --target 0.60
 
 Reads the ``recipe.json`` that ``training.recipe`` commits beside its heads (no model is run) and writes
 ``benchmarks/results/learning-curve.{json,md,png}``: top-1 at pass 1 on the recipe's two fixed validation sets after
@@ -27,7 +27,7 @@ from griffin.cli import run_cli
 from griffin.io import read_json
 from griffin.report import command_line, markdown_table, write_benchmark
 
-DEFAULT_RECIPE = "checkpoints/smollm2-135m-instruct-wip/recipe.json"
+DEFAULT_RECIPE = "benchmarks/results/recipe/recipe.json"
 PAIRS = {"griffin-s1": "eagle-s1", "griffin": "eagle2"}  # a GRIFFIN head and the EAGLE head with its data and budget
 
 

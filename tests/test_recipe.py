@@ -68,7 +68,8 @@ def tiny_recipe(tmp_path, target_dir, *argv: str) -> tuple:
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in conversations(8, words=10)))
     ckpt = tmp_path / "ckpt"
-    return ckpt, ["--target", str(target_dir), "--data", str(data), "--checkpoints", str(ckpt), "--shard-records", "4",
+    return ckpt, ["--target", str(target_dir), "--data", str(data), "--checkpoints", str(ckpt), "--ship", str(tmp_path),
+                  "--record", str(tmp_path / "record" / "recipe.json"), "--shard-records", "4",
                   "--regen-new-tokens", "4", "--max-len", "128", "--draft-vocab", "512", "--batch-size", "2", *argv]
 
 
@@ -202,6 +203,24 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
                                                                 ).read_bytes()
         card = (shipped / "README.md").read_text()
         assert card.startswith(f"# {head.label} draft head") and "on all 4 chunks" in card
+    record = tmp_path / "record"  # the run's record is published with the heads
+    assert json.loads((record / "recipe.json").read_text()) == json.loads((ckpt / progress.STATE).read_text())
+    assert (record / "progress.md").read_text() == (ckpt / "README.md").read_text()
+    assert (record / "fixed-val-regen.jsonl").read_text() == (ckpt / "fixed-val-regen.jsonl").read_text()
+
+    fresh = [x if x != str(ckpt) else str(tmp_path / "fresh") for x in argv]  # a clone: no work folder of heads
+    calls.clear()
+    assert recipe.main(fresh) == 0 and calls == []  # it continues from the record and the shipped heads: all done
+    for head in schedule.HEADS:
+        assert (tmp_path / "fresh" / f"wip-{head.name}" / "model.safetensors").read_bytes() == (
+            tmp_path / f"{tiny_target_dir.name}-{head.name}" / "model.safetensors").read_bytes()
+    assert json.loads((tmp_path / "fresh" / progress.STATE).read_text())["heads"] == state["heads"]
+    shutil.rmtree(tmp_path / "fresh")
+    behind = json.loads((record / "recipe.json").read_text())
+    behind["heads"]["hass"]["chunks"].pop()  # a record of other heads than the shipped ones
+    (record / "recipe.json").write_text(json.dumps(behind))
+    code, err = run_main("training.recipe", *fresh)
+    assert code == 2 and "has hass after 3 chunks, but" in err and "is not that head" in err
     code, err = run_main("training.recipe", *argv, "--chunk-shards", "2")
     assert code == 2 and "other settings" in err
 
@@ -630,3 +649,12 @@ def test_the_next_chunk_is_built_ahead_only_for_a_head_that_will_train_on_it():
     assert loop.chunks_ahead(Namespace(heads=[], ahead=ahead), cfg, state, 1, [eagle_s1], 4) == []
     code, err = run_main("training.recipe", "--ahead", "-1")
     assert code == 2 and "--ahead and --regen-records at least 0" in err
+
+
+def test_commit_refuses_a_folder_git_ignores(tmp_path):
+    """The default export folder lives under the git-ignored work/: --commit names the mend instead of failing
+    to commit it at every chunk."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in conversations(2, words=5)))
+    code, err = run_main("training.recipe", "--data", str(data), "--work", str(tmp_path / "work"), "--commit")
+    assert code == 2 and "git ignores work/recipe/heads: give --checkpoints a tracked folder" in err

@@ -37,24 +37,24 @@ part of the settings a rerun must share (chunks 1, 3 and 5 were trained at the f
 learning curve records the peak rate of its chunk.
 
 **What survives.** After a head finishes a chunk it is exported (fp16 safetensors, model card with one training row
-per chunk, validation reports) to ``--checkpoints/wip-<head>`` (``checkpoints/smollm2-135m-instruct-wip``), and
+per chunk, validation reports) to ``--checkpoints/wip-<head>`` (``work/recipe/heads``, git-ignored), and
 ``recipe.json`` there records the settings, the chunks each head has consumed, the learning curve (validation top-1
-against tokens seen) and the seconds of every step of every chunk; ``README.md`` there shows them as tables. With
-``--commit`` that folder is committed to the current branch: at the first head a run exports, then at most once per
-``--commit-every`` seconds, and at every stage end. Every commit holds the heads' whole weights (8-15 MB a head), and
-the diffs of a session's commits are capped at 256 MiB together (a session whose commits went over landed nothing,
-twice). Git's binary patches carry each changed file both ways, so one commit of the five stage-2 heads is about 134 MB
-of diff text (``git show --binary`` of session 15's squash of chunks 20-21: 134.4 MB): a session can submit the heads
-once. So a commit amends the previous one while that is a recipe commit of a work branch
-that no other ref holds (never on main). Run ``--commit`` in
-a work branch (``git worktree add -b scale ...``), bring it into main with ``git merge --squash scale``, then delete
-the branch (or reset it to main), so that a session submits each head once however many chunks it trained. The
-target's answers of a chunk are committed too (``regen-answers/``, 1.1 MB for chunk 21) until every head has trained
-on it, and so are the finished parts (256 first turns each) of a chunk still being answered, so that a fresh machine
-does not regenerate them. A run stopped by Ctrl-C or ``kill`` commits what it had finished before it exits. A rerun on
-any machine reads ``recipe.json``: each head continues from its committed head (``--init-from``) with the next chunk it
-has not consumed; features are built only for those chunks. Work inside a chunk (regeneration parts, feature shards,
-training state every 50 updates) resumes on the same machine.
+against tokens seen) and the seconds of every step of every chunk; ``README.md`` there shows them as tables. A rerun
+reads ``recipe.json``: each head continues from its exported head (``--init-from``) with the next chunk it has not
+consumed; features are built only for those chunks. Work inside a chunk (regeneration parts, feature shards, training
+state every 50 updates) resumes on the same machine. A fresh ``--checkpoints`` folder (a fresh clone) continues from
+``--record``, the committed record of the run that trained the shipped heads
+(``benchmarks/results/recipe/recipe.json``, with its fixed validation sets), and from the shipped heads in ``--ship``
+(``checkpoints/``), which are those heads after their last chunk; ``--promote`` writes both.
+
+With ``--commit`` the export folder (then a tracked folder, on a work branch) is committed as the run goes: at the
+first head a run exports, then at most once per ``--commit-every`` seconds, at every stage end, and when a run is
+stopped by Ctrl-C or ``kill``; the target's answers of a chunk (``regen-answers/``) and the finished parts of a chunk
+still being answered are committed too, so that another machine continues without regenerating them. Every commit
+holds the heads' whole weights: one commit of the five stage-2 heads is about 134 MB of diff text (git's binary
+patches carry each changed file both ways), so a commit amends the previous one while that is a recipe commit of a
+work branch that no other ref holds (never on main). Bring the branch into main with ``git merge --squash``, then
+delete it, so that history holds each head once however many chunks the run trained.
 
 **Learning curve.** Every head is scored after every chunk (``training.evaluate``) on fixed validation sets: chunk 0's
 held-out ShareGPT conversations and chunk 1's held-out answers of the target, taken when the recipe first reaches

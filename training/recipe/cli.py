@@ -20,8 +20,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "features, training runs); lost with the machine")
     p.add_argument("--sharegpt-store", default="work/features-sharegpt",
                    help="the feature store of all ShareGPT records, built a chunk at a time (shared, never deleted)")
-    p.add_argument("--checkpoints", default="checkpoints/smollm2-135m-instruct-wip",
-                   help="where the heads and recipe.json are exported (and committed with --commit)")
+    p.add_argument("--checkpoints", default="work/recipe/heads",
+                   help="the recipe's export folder: every head after every chunk, recipe.json and its README "
+                        "(git-ignored under work/); a rerun continues from it")
+    p.add_argument("--ship", default="checkpoints",
+                   help="where --promote ships the finished heads, as <target>-<head>; a fresh --checkpoints folder "
+                        "starts from the heads there, as --record says they were trained")
+    p.add_argument("--record", default="benchmarks/results/recipe/recipe.json",
+                   help="the committed recipe.json of the run that trained the shipped heads: a fresh --checkpoints "
+                        "folder continues from it where the settings are the same")
     p.add_argument("--shard-records", type=int, default=256, help="records per feature shard and regeneration part")
     p.add_argument("--chunk-shards", type=int, default=4, help="shards per chunk")
     p.add_argument("--stage-chunks", default="0.5,0.25,0.25",
@@ -51,13 +58,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --jobs 2 or more: chunks whose data is built ahead of the training (each built once "
                         "a process is free and no training step waits for one); 0: none, every process goes to the "
                         "present chunk's heads (to finish a chunk sooner, e.g. before the machine goes)")
-    p.add_argument("--commit", action="store_true", help="git-commit the exported heads and recipe.json")
+    p.add_argument("--commit", action="store_true",
+                   help="git-commit --checkpoints as the run goes (a tracked folder, on a work branch: "
+                        "docs/training.md)")
     p.add_argument("--commit-every", type=int, default=3600, help="seconds between commits (stage ends always)")
     p.add_argument("--plan", action="store_true", help="print the state and the next steps, run nothing")
     p.add_argument("--promote", action="store_true",
                    help="once every head has consumed every chunk: ship them, exported with their cards to "
-                        "<parent of --checkpoints>/<target>-<head> (the folders benchmarks.ablation and the default "
-                        "head read), and run nothing else")
+                        "--ship/<target>-<head> (the folders benchmarks.ablation and the default head read), and run "
+                        "nothing else")
     args = p.parse_args(argv)
     try:
         fractions = [float(x) for x in args.stage_chunks.split(",")]

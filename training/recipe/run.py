@@ -134,7 +134,12 @@ def run(args: argparse.Namespace, work: Path) -> int:
     work.mkdir(parents=True, exist_ok=True)
     cfg = settings(args, count_records(work, args.data))
     path = Path(args.checkpoints) / STATE
-    state = load_state(path, cfg)
+    if args.commit and publish.ignored(args.checkpoints):
+        raise ValueError(f"--commit commits --checkpoints, but git ignores {args.checkpoints}: give --checkpoints a "
+                         "tracked folder on a work branch (docs/training.md), or run without --commit")
+    if not path.is_file() and not args.plan:
+        publish.start_from_shipped(args, cfg, path)
+    state = load_state(path if path.is_file() else publish.usable_record(args, cfg) or path, cfg)
     print(plan_text(cfg, state))
     if args.plan:
         return 0
