@@ -1,17 +1,19 @@
-"""Regenerate the README's results section from the committed speed-run files.
+"""Regenerate the results section of benchmarks/README.md from the committed speed-run files.
 
     python -m benchmarks.headline
 
 Reads ``benchmarks/results/<bench>-<head>[-lookup<K>]-T<temp>[-bf16].json`` for the shipped default head (runs with
 ``--lookup K`` add a prompt-lookup chain to its tree) and ``ablation.md``, and rewrites the text between
-``<!-- results:start -->`` and ``<!-- results:end -->`` in README.md. Only runs of the head's present weights count
-(their ``draft_digest``; runs of an earlier head of the same name are named and left out).
+``<!-- results:start -->`` and ``<!-- results:end -->`` in ``--readme`` (benchmarks/README.md; links relative to it).
+Only runs of the head's present weights count (their ``draft_digest``; runs of an earlier head of the same name are
+named and left out). The project README's headline table is written by hand from the same files.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -82,7 +84,8 @@ def section(results_dir: Path, head: str, checkpoints: Path) -> tuple[str, list[
             f"{machine['torch']}). The headline speedup is against the fastest plain decoding of the same run: the "
             "higher tokens/s of transformers `generate` and our plain loop, whose one-row kernel is shown beside it "
             "(runs from 2026-11-24 on: the fastest measured on that machine, `griffin.kernels.choose_kernels`; "
-            "earlier ones: a fixed table from the AMD EPYC, [plain-kernel.md](benchmarks/results/plain-kernel.md), or "
+            "earlier ones: a fixed table from the AMD EPYC, "
+            f"[plain-kernel.md]({results_dir.as_posix()}/plain-kernel.md), or "
             "`F.linear`, shown as linear). Speedups are ratios of tokens/s (at T=0 the same as ratios of wall time, "
             "since every method writes the same tokens). Threads: torch's intra-op threads of the run, the same for "
             "every method in it.\n\n")
@@ -161,7 +164,7 @@ def costs(results_dir: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.headline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--readme", default="README.md")
+    p.add_argument("--readme", default="benchmarks/README.md")
     p.add_argument("--results", default="benchmarks/results")
     p.add_argument("--head", default="smollm2-135m-instruct-griffin")
     p.add_argument("--checkpoints", default="checkpoints", help="the folder of the head")
@@ -173,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     before, rest = text.split(START, 1)
     _, after = rest.split(END, 1)
     results, stale = section(Path(args.results), args.head, Path(args.checkpoints))
+    link = Path(os.path.relpath(args.results, readme.resolve().parent)).as_posix()  # the results folder from the readme
+    results = results.replace(f"]({Path(args.results).as_posix()}/", f"]({link}/")
     atomic_write_text(readme, before + START + "\n" + results + END + after)
     if stale:
         print(f"left out {len(stale)} runs of other weights than {Path(args.checkpoints) / args.head}'s: "

@@ -54,7 +54,8 @@ def test_ablation_report_and_readme_section_count_only_runs_of_the_present_weigh
     assert "| HASS (eagle, K=3, no mask) | - | 2.40 ± 0.10 |" in report  # its stale mt_bench run left out
     assert "| EAGLE-2 (eagle, K=1) | +0.800 ± 0.000 (1.364x) |" in report  # paired by question and turn
     assert (results / "ablation.png").stat().st_size > 1000
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "bench" / "README.md"
+    readme.parent.mkdir()
     readme.write_text("intro\n<!-- results:start -->\nold\n<!-- results:end -->\nrest\n")
     assert headline.main(["--readme", str(readme), "--results", str(results), "--checkpoints", str(checkpoints)]) == 0
     assert "left out 1 runs of other weights" in capsys.readouterr().out
@@ -68,7 +69,8 @@ def test_ablation_report_and_readme_section_count_only_runs_of_the_present_weigh
 
     assert result_stem("gsm8k", "h", 0.0, "fp32") == "gsm8k-h-T0" and result_stem("gsm8k", "h", 1.0, "bf16") == \
         "gsm8k-h-T1-bf16"
-    assert "ablation.md)" in text and "| GRIFFIN | 3.00 ± 0.10 |" in text
+    assert "](../results/ablation.md)" in text and "| GRIFFIN | 3.00 ± 0.10 |" in text  # links from the readme
+    assert "[json](../results/mt_bench-smollm2-135m-instruct-griffin-T0.json)" in text
 
 
 def test_ablation_from_replays_runs_every_head_at_once_and_pairs_griffin_with_each(tmp_path, monkeypatch):

@@ -152,3 +152,21 @@ def test_every_command_answers_help_at_once_before_loading_torch():
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == [f"{module} [] fast" for module in names]
 
+
+
+def test_the_readme_is_short_and_names_only_commands_that_exist():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme) <= 10_000
+    named = set(re.findall(r"python -m ((?:griffin|training|inference|benchmarks)\.\w+)", readme))
+    assert {"inference.demo", "inference.chat", "inference.speed", "training.build_features", "training.train",
+            "training.export"} <= named
+    assert named <= set(commands())
+
+
+@pytest.mark.parametrize("page", ["README.md", "benchmarks/README.md", "docs/usage.md", "docs/training.md",
+                                  "docs/gpu.md", "docs/draft-lms.md", "docs/design.md"])
+def test_every_link_of_the_docs_names_a_committed_file(page):
+    text = (ROOT / page).read_text()
+    links = re.findall(r"\]\(((?!https?://|#)[^)#\s]+)", text)
+    assert links or page == "docs/design.md"
+    assert [link for link in links if not ((ROOT / page).parent / link).exists()] == []
