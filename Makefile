@@ -19,4 +19,4 @@ test: install
 	$(PYTHON) -m pytest -q
 
 lint:
-	$(PYTHON) -m ruff check griffin training inference tests
+	$(PYTHON) -m ruff check griffin training inference benchmarks tests

@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from griffin import SpecGenerator  # noqa: E402
+from griffin.report import machine_info, markdown_table, write_benchmark  # noqa: E402
 from griffin.target import load_target  # noqa: E402
 from inference.questions import load_questions  # noqa: E402
-from inference.report import machine_info, markdown_table, write_benchmark  # noqa: E402
 
 
 def import_base(folder: Path):

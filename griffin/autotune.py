@@ -191,7 +191,7 @@ class _Clock:
 
 
 def _calibration_prompts(gen) -> Iterator[torch.Tensor]:
-    from .chat import TemplateError
+    from .chat_template import TemplateError
 
     for prompt in CALIBRATION:
         try:

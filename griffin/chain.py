@@ -1,4 +1,6 @@
-"""Classic speculative sampling (Leviathan et al.; DESIGN §7): the acceptance rule of a drafted chain.
+"""Classic speculative sampling (Leviathan et al.): the acceptance rule of a drafted chain.
+
+The rule and why it is exact: docs/design.md#chain-pq-rule.
 
 A draft LM sampled ``y_1..y_γ`` from its distributions ``q_1..q_γ``; one target forward gave ``p_1..p_{γ+1}`` (``p_i``
 is the target's distribution where ``y_i`` is drafted). Accept ``y_i`` with probability ``min(1, p_i(y_i)/q_i(y_i))``;

@@ -23,7 +23,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .backend import TargetBackend
-from .chat import check_messages, prompt_ids
+from .chat_template import check_messages, prompt_ids
 from .compat import check_compatible
 from .draft import DraftModel
 from .draft_lm import DraftLM, DraftLMDrafter, load_draft_lm

@@ -1,13 +1,8 @@
 """Proposals: the token tree a drafter hands to the target each cycle, and EAGLE-2's dynamic draft tree.
 
-A :class:`Tree` is the one proposal type (a chain is a tree whose every node has one child). Node 0 is the root (the
-last token not yet seen by the target); nodes 1..N are drafted tokens, numbered so that a parent always precedes its
-children. Every proposal of a drafter has the same static size ``N + 1`` (the drafter's ``total_tokens + 1``):
-drafters that have fewer candidates pad with nodes that are masked out (``valid`` False), attend to the context only,
-and are never accepted. ``max_depth`` is a static bound on node depths, so the accepted path has a static shape too.
-
-In EAGLE-2's tree scores are cumulative draft log-probabilities, which never rise along a path, so the best N nodes
-(ties broken towards shallower nodes) include every ancestor of each node they include.
+A :class:`Tree` is the one proposal type (a chain is a tree whose every node has one child); node 0 is the root. What
+the root is, the numbering, padding and static sizes, and why EAGLE-2's best N nodes include their ancestors:
+docs/design.md#proposals and docs/design.md#the-decode-cycle.
 """
 
 from __future__ import annotations

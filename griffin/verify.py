@@ -1,35 +1,11 @@
 """Verifiers: which drafted tokens the target accepts, and the bonus token it emits after them.
 
-A verifier turns the target's logits over a proposal (:class:`griffin.tree.Tree`, ``N + 1`` nodes) into an
-:class:`Acceptance`. Every rule here keeps the output exactly the target's (greedy tokens, sampling distribution) and
-runs as tensor operations on the logits' device: nothing waits for the device, so that the generation loop moves
-only the emitted tokens to the host, once per cycle.
-
-Protocol (any object with this method plugs into ``SpecGenerator._steps``)::
-
-    accept(tree: Tree, logits: Tensor [N+1, V]) -> Acceptance
-
-``logits[i]`` is the target's next-token logits after node ``i`` (its ancestors and the context before it). A drafter
-picks its rule with an optional ``verifier(sampling, generator)`` method; without one the generator uses
+A verifier turns the target's logits over a proposal (:class:`griffin.tree.Tree`, ``N + 1`` nodes; ``logits[i]``: the
+target's next-token logits after node ``i``) into an :class:`Acceptance`, as tensor operations on the logits' device
+(the cycle's one host sync comes after). The rules, and why each keeps the output exactly the target's, are in
+docs/design.md#verification-rules: :class:`Greedy`, :class:`TreeSampling` (deterministic drafts) and the p/q chain rule
+(:mod:`griffin.chain`, chosen by a draft LM's ``verifier`` method). A drafter without that method gets
 :func:`default_verifier`.
-
-Rules:
-
-- :class:`Greedy`: walk from the root; at each node the target's argmax must be a child's token; the bonus is the
-  argmax at the last accepted node.
-- :class:`TreeSampling` (DESIGN §5, drafts are deterministic, q = δ): at a node with target distribution p, try its
-  children in draft order and accept child c with probability p(c), zeroing p(c) and renormalising on rejection;
-  when all are rejected the bonus is sampled from what is left of p. The first child accepted is child c with
-  probability p(c) and the bonus is x with probability p(x) for every non-child x, so the rule is computed as: sample
-  x ~ p at every node at once, follow the child whose token is x (the first in draft order), and emit x as the bonus
-  where no child carries it. Same distribution over (path, bonus), no loop over children, no host sync.
-- p/q chain rule (classic speculative sampling, DESIGN §7; the draft-LM drafter of issue 13 provides it): a chain
-  proposal with ``tree.q`` [N+1, V] (row i: the warped draft distribution token i+1 was sampled from). With p_i the
-  warped target distribution after node i: accept y_{i+1} with probability min(1, p_i(y) / q_i(y)); at the first
-  rejection i emit a bonus from norm(max(0, p_i - q_i)); when all N are accepted emit a bonus from p_N. Computed
-  as: one uniform per node for the tests, the first failing node a (N if none), ``path = arange(N + 1)`` (padding
-  beyond a is ignored), bonus sampled from every row's residual / p_N at once with :func:`sample` and picked at a.
-  It returns the same :class:`Acceptance`.
 """
 
 from __future__ import annotations
@@ -96,7 +72,7 @@ class Greedy:
 
 
 class TreeSampling:
-    """DESIGN §5's rule for deterministic drafts (see the module docstring): exactly the target's distribution."""
+    """The tree rule for deterministic drafts (docs/design.md#tree-sampling): exactly the target's distribution."""
 
     def __init__(self, cfg: SamplingConfig, generator: torch.Generator | None):
         self.cfg, self.generator = cfg, generator

@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from griffin.cli import add_device_arguments, add_tree_arguments, nonnegative_float, positive_int, probability, run_cli
 from griffin.constants import EMBEDDED_TARGET
-from training.cli import add_device_arguments, add_tree_arguments, nonnegative_float, positive_int, probability, run_cli
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from griffin import GenerationStats, SpecGenerator
-    from griffin.chat import check_messages
+    from griffin.chat_template import check_messages
     from griffin.io import atomic_write_json, read_json
     from griffin.target import cache_dir
 

@@ -16,8 +16,8 @@ import argparse
 import sys
 import time
 
+from griffin.cli import add_device_arguments, add_tree_arguments, nonnegative_float, positive_int, run_cli
 from griffin.constants import EMBEDDED_TARGET
-from training.cli import add_device_arguments, add_tree_arguments, nonnegative_float, positive_int, run_cli
 
 PROMPTS = [
     "Write a short poem about the sea.",

@@ -27,8 +27,8 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+from griffin.cli import add_tree_arguments, nonnegative_float, positive_int, run_cli
 from griffin.constants import EMBEDDED_TARGET
-from training.cli import add_tree_arguments, nonnegative_float, positive_int, run_cli
 
 from .questions import BENCHES, EXTRA_BENCHES, load_questions
 
@@ -75,13 +75,12 @@ from tqdm.auto import tqdm
 
 from griffin import SpecGenerator
 from griffin.autotune import tuning_record
-from griffin.chat import prompt_ids
+from griffin.chat_template import prompt_ids
 from griffin.io import atomic_write_json, atomic_write_text, read_journal, weights_digest
 from griffin.plain import plain_generate
+from griffin.report import command_line, machine_info, machine_text, markdown_table, result_stem
 from griffin.sampling import SamplingConfig
 from griffin.target import load_target
-
-from .report import command_line, machine_info, machine_text, markdown_table, result_stem
 
 
 class Runner:

@@ -20,18 +20,18 @@ Why no target in the loop gives the engine's τ:
   ``hidden[path]`` are the target's features at the root and the accepted nodes, i.e. at the positions of the tokens
   that *predicted* the emitted ones. Those are the target's features of ``prompt + c`` at positions ``n .. n+m-1``
   (``n``: the root's position, ``m``: tokens emitted), which one causal forward over ``prompt + c[:-1]`` gives.
-- Sampling (T>0), with the tree rule of DESIGN §5 (draft tokens are deterministic proposals, q = δ). At a node with
-  target distribution ``p`` the engine tries its children in draft order, accepting child ``c`` with probability
-  ``p(c)`` of what is left and zeroing it on rejection; the token it emits at that node (an accepted child, or the
-  bonus from what is left) is distributed exactly as ``p``, and the walk goes on below the node iff that token is one
-  of the node's children: a child's token can only be emitted by accepting that child, since rejecting it removes it
-  from the bonus distribution. So each emitted token is a draw from the target's ``p`` given the tokens before it
-  (the output S is a sample of the target), and the walk through each tree, hence the number of cycles, is the one
-  the greedy rule above finds for S: cycles = f(S) with f the deterministic replay (the trees depend only on the
-  tokens and features before them). The engine's run is (S, f(S)) with S ~ target; replaying f on a continuation S'
-  *sampled from the target* (plain decoding, seeded per prompt, the same :func:`griffin.sampling.warp`) gives
-  (S', f(S')) with S' ~ target: τ has exactly the engine's distribution, though it is not the engine's τ for the same
-  seed (the engine draws other random numbers).
+- Sampling (T>0), with the tree rule of docs/design.md#tree-sampling (draft tokens are deterministic proposals, q =
+  δ). At a node with target distribution ``p`` the engine tries its children in draft order, accepting child ``c``
+  with probability ``p(c)`` of what is left and zeroing it on rejection; the token it emits at that node (an accepted
+  child, or the bonus from what is left) is distributed exactly as ``p``, and the walk goes on below the node iff that
+  token is one of the node's children: a child's token can only be emitted by accepting that child, since rejecting it
+  removes it from the bonus distribution. So each emitted token is a draw from the target's ``p`` given the tokens
+  before it (the output S is a sample of the target), and the walk through each tree, hence the number of cycles, is
+  the one the greedy rule above finds for S: cycles = f(S) with f the deterministic replay (the trees depend only on
+  the tokens and features before them). The engine's run is (S, f(S)) with S ~ target; replaying f on a continuation
+  S' *sampled from the target* (plain decoding, seeded per prompt, the same :func:`griffin.sampling.warp`) gives (S',
+  f(S')) with S' ~ target: τ has exactly the engine's distribution, though it is not the engine's τ for the same seed
+  (the engine draws other random numbers).
 
 What is not mirrored bit for bit: the engine takes the features of accepted tokens from its tree-verification
 forwards, this module from one causal forward over the continuation (the prompt's features come from the same
@@ -59,11 +59,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from griffin.cli import run_cli
 from griffin.constants import EMBEDDED_TARGET
-from training.cli import run_cli
+from griffin.report import command_line, machine_info, machine_text, markdown_table, paired_difference, write_benchmark
 
 from .questions import BENCHES, EXTRA_BENCHES, load_questions
-from .report import command_line, machine_info, machine_text, markdown_table, paired_difference, write_benchmark
 
 CONTINUATIONS = Path("benchmarks/results/continuations")
 FORMAT = 1  # version of the continuation file layout
@@ -122,7 +122,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from griffin import DraftModel, SpecGenerator
-from griffin.chat import prompt_ids
+from griffin.chat_template import prompt_ids
 from griffin.drafters import HeadDrafter
 from griffin.family import verification_mask
 from griffin.generator import default_head, fast_draft_dtype
@@ -133,6 +133,7 @@ from griffin.plain import plain_generate
 from griffin.sampling import SamplingConfig
 from griffin.target import cache_dir, file_lock, load_target, resolve_dtype, target_fingerprint
 from griffin.tree import Tree
+from griffin.verify import follow
 
 # --- prompts and continuations ----------------------------------------------------------------------------------------
 
@@ -338,14 +339,11 @@ def target_features(target: PreTrainedModel, prompt: torch.Tensor, continuation:
 
 
 def accepted_depth(tree: Tree, future: torch.Tensor) -> int:
-    """Depth of the deepest node whose path from the root spells ``future`` (the tokens after the root), ties broken
-    like :func:`griffin.sampling.accept_greedy` (the engine's rule when the target's choices are ``future``)."""
+    """Depth of the path the engine accepts when the target's choices are ``future`` [R >= 1] (the tokens after the
+    root): :func:`griffin.verify.follow`; past the end of ``future`` no child matches (the path is cut there)."""
     r = future.shape[0]
-    expected = future[(tree.depths - 1).clamp(0, r - 1)]  # [N+1] the token each node must be
-    correct = (tree.tokens == expected) & (tree.depths <= r)
-    correct[0] = True
-    fully = ~(tree.ancestors & ~correct[None, :]).any(dim=1)
-    return int(tree.depths[torch.where(fully, tree.depths, -1).argmax()])
+    choice = torch.where(tree.depths < r, future[tree.depths.clamp(max=r - 1)], -1)  # [N+1] the token after each node
+    return int(follow(tree, choice).length)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from training.cli import run_cli
+from griffin.cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 THREADS = min(2, torch.get_num_threads())
@@ -160,3 +160,17 @@ def pooled_chisquare(counts: dict, exact: dict, runs: int) -> tuple[float, int]:
         expected.append(rest_e)
     total = sum(expected)  # the exact table may be cut (top-k walks): rescale to the draws
     return chisquare(observed, [e * runs / total for e in expected]).pvalue, len(observed)
+
+
+def fake_result(bench: str, draft: str, temperature: float, tau: float, digest: str = "") -> dict:
+    return {"bench": bench, "target": "smollm2-135m-instruct", "draft": draft, "draft_digest": digest,
+            "temperature": temperature,
+            "max_new_tokens": 128, "n_prompts": 80, "tau": tau, "tokens_per_s": 30.0, "speedup": 2.0,
+            "baseline_tokens_per_s": 15.0, "own_loop_tokens_per_s": 20.0, "peers": {"prompt_lookup": 1.1},
+            "prompt_lookup_tokens_per_s": 18.0,
+            "identical_fraction": 1.0,
+            "tree": {"depth": 5, "top_k": 8, "total_tokens": 24}, "command": f"python -m inference.speed {bench}",
+            "machine": {"cpu": "Intel(R) Xeon(R) Processor", "cores": 2, "torch": "2.13", "date": "today",
+                        "torch_threads": 1},
+            "per_prompt": [{"question_id": 1, "turn": 0, "tau": tau - 0.1},
+                           {"question_id": 2, "turn": 0, "tau": tau + 0.1}]}  # standard error 0.1

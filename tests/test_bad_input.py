@@ -153,7 +153,7 @@ def test_an_out_that_is_a_file_or_not_writable_is_refused_before_any_work(tmp_pa
     ("inference.speed", ["--limit", "0"], "argument --limit: must be an integer >= 1"),
     ("inference.speed", ["--limit", "-2"], "argument --limit: must be an integer >= 1"),
     ("inference.speed", ["--total-tokens", "-1"], "argument --total-tokens: must be 'auto' or an integer >= 0"),
-    ("inference.loop_overhead", ["--rounds", "0"], "argument --rounds: must be an integer >= 1"),
+    ("benchmarks.loop_overhead", ["--rounds", "0"], "argument --rounds: must be an integer >= 1"),
     ("inference.demo", ["--total-tokens", "big"], "argument --total-tokens: must be 'auto' or an integer >= 0"),
     ("inference.demo", ["--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1"),
     ("inference.chat", ["--temperature", "nan"], "argument --temperature: must be a finite number >= 0"),

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from griffin.chat import BUILTIN_TEMPLATES, TemplateError, set_chat_template, tokenize_conversation
+from griffin.chat_template import BUILTIN_TEMPLATES, TemplateError, set_chat_template, tokenize_conversation
 from training.data import BadConversation, DataError, iter_json_records, iter_records, to_messages
 
 CONV = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 
-from inference import distill_heads
+from benchmarks import distill_heads
 
 
 def write_head(folder, token_loss: str, top1: float, select=None) -> None:
@@ -24,7 +24,7 @@ def write_tau(path, name: str, taus: list[float]) -> None:
                   for i, t in enumerate(taus)]
     record = {"head": name, "tau": statistics.fmean(taus), "tau_se": statistics.stdev(taus) / len(taus) ** 0.5,
               "n_prompts": len(taus), "alpha": [0.6, 0.5, 0.4, 0.3, 0.2], "per_prompt": per_prompt,
-              "command": "python -m inference.distill_heads --evaluate"}
+              "command": "python -m benchmarks.distill_heads --evaluate"}
     path.write_text(json.dumps(record))
 
 

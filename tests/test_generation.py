@@ -326,7 +326,7 @@ def test_bad_construction_and_conversations_raise_value_errors(bad_input_generat
 
 
 def test_a_chat_template_that_refuses_a_conversation_gives_its_reason(smol_tokenizer):
-    from griffin.chat import TemplateError, prompt_ids
+    from griffin.chat_template import TemplateError, prompt_ids
 
     tokenizer = copy.deepcopy(smol_tokenizer)
     tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "

@@ -1,11 +1,11 @@
-"""inference.learning_curve: the recipe's learning curve, its log-linear fit and the GRIFFIN/EAGLE ratio."""
+"""benchmarks.learning_curve: the recipe's learning curve, its log-linear fit and the GRIFFIN/EAGLE ratio."""
 
 from __future__ import annotations
 
 import json
 import math
 
-from inference import learning_curve
+from benchmarks import learning_curve
 
 
 def point(head: str, chunk: int, tokens: int, regen: float) -> dict:

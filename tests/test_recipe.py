@@ -22,6 +22,8 @@ from safetensors.torch import load_file
 from tests.conftest import run_main
 from tests.test_features import conversations, shards_equal, write_data
 from training import recipe
+from training.recipe import cli, progress, publish, schedule, scheduler, steps
+from training.recipe import run as loop
 
 
 def test_shard_ranges_build_the_shards_of_a_full_run_and_no_manifest(tmp_path, tiny_target_dir):
@@ -58,7 +60,7 @@ def not_stopping():
     """A test whose run stops (``stop_steps``) leaves STOPPING set until the next ``run``: the scheduler's own tests
     must not find it set."""
     yield
-    recipe.STOPPING.clear()
+    scheduler.STOPPING.clear()
 
 
 def tiny_recipe(tmp_path, target_dir, *argv: str) -> tuple:
@@ -66,7 +68,8 @@ def tiny_recipe(tmp_path, target_dir, *argv: str) -> tuple:
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in conversations(8, words=10)))
     ckpt = tmp_path / "ckpt"
-    return ckpt, ["--target", str(target_dir), "--data", str(data), "--checkpoints", str(ckpt), "--shard-records", "4",
+    return ckpt, ["--target", str(target_dir), "--data", str(data), "--checkpoints", str(ckpt), "--ship", str(tmp_path),
+                  "--record", str(tmp_path / "record" / "recipe.json"), "--shard-records", "4",
                   "--regen-new-tokens", "4", "--max-len", "128", "--draft-vocab", "512", "--batch-size", "2", *argv]
 
 
@@ -97,7 +100,7 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
         finally:
             training["now"] -= module == "training.train"
 
-    monkeypatch.setattr(recipe, "python", in_process)
+    monkeypatch.setattr(scheduler, "python", in_process)
     ckpt, args = tiny_recipe(tmp_path, tiny_target_dir, "--chunk-shards", "1", "--stage-chunks", "3,1,0.01",
                              "--regen-records", "2")
     machine = {"--work": str(tmp_path / "work"), "--sharegpt-store": str(tmp_path / "sharegpt")}
@@ -152,9 +155,9 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     first = json.loads((tmp_path / "work" / "runs" / "griffin-s1" / "chunk-001" / "validation.json").read_text())
     assert first["run"]["init_from"] == str(ckpt / "wip-griffin-s1")  # the committed head after chunk 0
     # chunk 1 holds the target's answers: its peak rate is REGEN_LR of the schedule's
-    assert first["run"]["lr"] == pytest.approx(recipe.LR[1] * recipe.LR_DECAY * recipe.REGEN_LR, rel=1e-2)
+    assert first["run"]["lr"] == pytest.approx(schedule.LR[1] * schedule.LR_DECAY * schedule.REGEN_LR, rel=1e-2)
     assert [p["lr"] for p in state["curve"] if p["head"] == "griffin-s1"] == pytest.approx(
-        [recipe.LR[1] * recipe.LR_DECAY ** i * (recipe.REGEN_LR if i == 1 else 1) for i in range(3)], rel=1e-2)
+        [schedule.LR[1] * schedule.LR_DECAY ** i * (schedule.REGEN_LR if i == 1 else 1) for i in range(3)], rel=1e-2)
     run = json.loads((tmp_path / "work" / "runs" / "griffin" / "chunk-003" / "validation.json").read_text())["run"]
     assert run["init_from"] == str(tmp_path / "work" / "runs" / "griffin-s1" / "chunk-002")
     assert run["steps"] == 2 and run["topk"] == 3
@@ -164,11 +167,11 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     assert [s["run"]["steps"] for s in stages] == [1, 1, 1, 2]
     assert "GRIFFIN" in (ckpt / "wip-griffin" / "README.md").read_text()
     assert "Learning curve" in (ckpt / "README.md").read_text()
-    assert [r["head"] for r in state["curve"]] == ["griffin-s1", "eagle-s1"] * 3 + [h.name for h in recipe.HEADS]
+    assert [r["head"] for r in state["curve"]] == ["griffin-s1", "eagle-s1"] * 3 + [h.name for h in schedule.HEADS]
     assert [t["kind"] for t in state["timings"]] == ["sharegpt", "regen", "sharegpt", "regen"]
     assert all("features_s" in t for t in state["timings"][1:]) and "regenerate_s" in state["timings"][3]
     assert [sorted(t["train_s"]) for t in state["timings"]] == [["eagle-s1", "griffin-s1"]] * 3 + [
-        sorted(h.name for h in recipe.HEADS)]
+        sorted(h.name for h in schedule.HEADS)]
     # on the fresh machine the fixed set's features came from the committed records, and every point was scored
     assert [a[a.index("--data") + 1] for m, a in calls if m == "training.build_features" and "--shards" not in a
             and "fixed-val" in a[a.index("--out") + 1]] == [str(ckpt / f"fixed-val-{k}.jsonl") for k in
@@ -179,7 +182,7 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     assert [sorted(p["fixed"]) for p in state["curve"]] == [["sharegpt"]] * 2 + [["regen", "sharegpt"]] * 9
     assert all(len(passes) == p["steps"] for p in state["curve"] for passes in p["fixed"].values())
     assert "fixed regen: top-1 per pass" in (ckpt / "README.md").read_text()
-    dtype = recipe.resolve_precision("auto")  # every step computes in the one precision of the run
+    dtype = steps.resolve_precision("auto")  # every step computes in the one precision of the run
     assert {a[a.index("--dtype") + 1] for m, a in calls if "--dtype" in a} == {dtype}
     assert {a[a.index("--mixed-precision") + 1] for m, a in calls if "--mixed-precision" in a} == {
         "bf16" if dtype == "bf16" else "no"}
@@ -188,18 +191,36 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     calls.clear()
     assert recipe.main(argv) == 0 and calls == []  # all done: nothing runs
     assert (ckpt / "README.md").read_text().startswith("# The recipe's heads (complete")
-    cfg = json.loads((ckpt / recipe.STATE).read_text())["settings"]
+    cfg = json.loads((ckpt / progress.STATE).read_text())["settings"]
     behind = copy.deepcopy(state)
     behind["heads"]["hass"]["chunks"].pop()
-    assert recipe.progress_markdown(cfg, behind).startswith("# Heads in training (work in progress)")
+    assert progress.progress_markdown(cfg, behind).startswith("# Heads in training (work in progress)")
     assert recipe.main(argv + ["--promote"]) == 0  # shipped beside the work folder, named as the ablation reads them
-    assert [m for m, _ in calls] == ["training.export"] * len(recipe.HEADS)
-    for head in recipe.HEADS:
+    assert [m for m, _ in calls] == ["training.export"] * len(schedule.HEADS)
+    for head in schedule.HEADS:
         shipped = ckpt.parent / f"{tiny_target_dir.name}-{head.name}"
         assert (shipped / "model.safetensors").read_bytes() == (ckpt / f"wip-{head.name}" / "model.safetensors"
                                                                 ).read_bytes()
         card = (shipped / "README.md").read_text()
         assert card.startswith(f"# {head.label} draft head") and "on all 4 chunks" in card
+    record = tmp_path / "record"  # the run's record is published with the heads
+    assert json.loads((record / "recipe.json").read_text()) == json.loads((ckpt / progress.STATE).read_text())
+    assert (record / "progress.md").read_text() == (ckpt / "README.md").read_text()
+    assert (record / "fixed-val-regen.jsonl").read_text() == (ckpt / "fixed-val-regen.jsonl").read_text()
+
+    fresh = [x if x != str(ckpt) else str(tmp_path / "fresh") for x in argv]  # a clone: no work folder of heads
+    calls.clear()
+    assert recipe.main(fresh) == 0 and calls == []  # it continues from the record and the shipped heads: all done
+    for head in schedule.HEADS:
+        assert (tmp_path / "fresh" / f"wip-{head.name}" / "model.safetensors").read_bytes() == (
+            tmp_path / f"{tiny_target_dir.name}-{head.name}" / "model.safetensors").read_bytes()
+    assert json.loads((tmp_path / "fresh" / progress.STATE).read_text())["heads"] == state["heads"]
+    shutil.rmtree(tmp_path / "fresh")
+    behind = json.loads((record / "recipe.json").read_text())
+    behind["heads"]["hass"]["chunks"].pop()  # a record of other heads than the shipped ones
+    (record / "recipe.json").write_text(json.dumps(behind))
+    code, err = run_main("training.recipe", *fresh)
+    assert code == 2 and "has hass after 3 chunks, but" in err and "is not that head" in err
     code, err = run_main("training.recipe", *argv, "--chunk-shards", "2")
     assert code == 2 and "other settings" in err
 
@@ -213,14 +234,14 @@ def test_committed_answers_spare_a_fresh_machine_their_regeneration_and_go_once_
         assert importlib.import_module(module).main(list(argv)) == 0
         return 1.0
 
-    monkeypatch.setattr(recipe, "python", in_process)
+    monkeypatch.setattr(scheduler, "python", in_process)
     ckpt, args = tiny_recipe(tmp_path, tiny_target_dir, "--chunk-shards", "2", "--stage-chunks", "1,0.01,0.01",
                              "--work", str(tmp_path / "work"), "--sharegpt-store", str(tmp_path / "sharegpt"))
     # one group of 8 records, all stage 1: chunk 0 its ShareGPT, chunk 1 the answers to its first 4 (3 rounded up)
     assert recipe.main(args + ["--regen-records", "3", "--heads", "griffin-s1"]) == 0
     state = json.loads((ckpt / "recipe.json").read_text())
     assert state["settings"]["regen_records"] == 4 and state["heads"]["griffin-s1"]["chunks"] == [0, 1]
-    answers = ckpt / recipe.ANSWERS / "chunk-001.jsonl"
+    answers = ckpt / steps.ANSWERS / "chunk-001.jsonl"
     assert len(answers.read_text().splitlines()) == 4  # kept: eagle-s1 has yet to train on chunk 1
     assert [t.get("regen_records") for t in state["timings"]] == [None, 4]
     assert "| 1 | regen | 1 | 4 |" in (ckpt / "README.md").read_text()  # its conversations: the 4 answers
@@ -266,7 +287,7 @@ def test_a_recipe_commit_amends_its_own_previous_one_on_a_work_branch_never_on_m
         (ckpt / f"answers-{i}.jsonl").write_text(str(i))
         if (ckpt / f"answers-{i - 1}.jsonl").exists():
             (ckpt / f"answers-{i - 1}.jsonl").unlink()
-        recipe.commit(args, f"head after chunk {i}")
+        publish.commit(args, f"head after chunk {i}")
 
     for i in range(2):  # on main, whose commits land as they are, every commit is new
         chunk(i)
@@ -283,7 +304,7 @@ def test_a_recipe_commit_amends_its_own_previous_one_on_a_work_branch_never_on_m
     chunk(5)
     assert len(git("log", "--format=%s").splitlines()) == 5
     t0 = time.time()
-    recipe.commit(args, "nothing new")  # nothing changed: no commit, and no retries
+    publish.commit(args, "nothing new")  # nothing changed: no commit, and no retries
     assert len(git("log", "--format=%s").splitlines()) == 5 and time.time() - t0 < 5
 
 
@@ -297,10 +318,10 @@ def test_finished_regeneration_parts_are_committed_and_spare_a_fresh_machine_the
     for part in (0, 2):  # a part of chunk 1, which eagle-s1 has yet to train on, and a part of chunk 3
         (work / "regen" / f"part-{part:05d}.jsonl").write_text(f"answers {part}\n")
     (work / "regen" / "part-00002.json").write_text('{"seconds": 500.4}\n')  # what part 2 cost this machine
-    recipe.keep_parts(args, cfg | {"regen_records": 0}, state)  # a run without answers chunks keeps no parts
-    assert not (ckpt / recipe.ANSWERS).exists()
-    recipe.keep_parts(args, cfg, state)
-    assert sorted(p.name for p in (ckpt / recipe.ANSWERS).iterdir()) == ["part-00000.jsonl", "part-00002.json",
+    steps.keep_parts(args, cfg | {"regen_records": 0}, state)  # a run without answers chunks keeps no parts
+    assert not (ckpt / steps.ANSWERS).exists()
+    steps.keep_parts(args, cfg, state)
+    assert sorted(p.name for p in (ckpt / steps.ANSWERS).iterdir()) == ["part-00000.jsonl", "part-00002.json",
                                                                          "part-00002.jsonl"]
     shutil.rmtree(work)  # a fresh machine
     asked = []
@@ -314,24 +335,24 @@ def test_finished_regeneration_parts_are_committed_and_spare_a_fresh_machine_the
                 (out / f"part-{part:05d}.jsonl").write_text(f"answers {part}\n")
         return 1.0
 
-    monkeypatch.setattr(recipe, "python", regenerate)
+    monkeypatch.setattr(scheduler, "python", regenerate)
     timing = {}
-    merged = recipe.regenerated(args, cfg, 3, range(2, 4), 8, timing)
+    merged = steps.regenerated(args, cfg, 3, range(2, 4), 8, timing)
     assert asked == [["part-00002.jsonl"]]  # the committed part was there before the regeneration began
-    assert merged.read_text() == "answers 2\nanswers 3\n" == recipe.answers_file(args, 3).read_text()
+    assert merged.read_text() == "answers 2\nanswers 3\n" == steps.answers_file(args, 3).read_text()
     assert timing == {"regenerate_s": 801}  # both parts' own seconds, not the 1 s of the run that ended the chunk
     # a run that stopped after the answers, before their seconds were saved: the next one finds them in the parts
-    assert recipe.regenerated(args, cfg, 3, range(2, 4), 8) == merged and len(asked) == 1
-    assert recipe.answered_seconds(args, cfg, range(2, 4), 8) == 801
-    assert not recipe.answers_part(args, 2).exists()  # the merged answers stand for it
-    assert not (ckpt / recipe.ANSWERS / "part-00002.json").exists()
-    recipe.keep_parts(args, cfg, state)  # chunk 3's answers are committed merged: its parts are not kept again
-    assert sorted(p.name for p in (ckpt / recipe.ANSWERS).iterdir()) == ["chunk-003.jsonl", "part-00000.jsonl"]
+    assert steps.regenerated(args, cfg, 3, range(2, 4), 8) == merged and len(asked) == 1
+    assert steps.answered_seconds(args, cfg, range(2, 4), 8) == 801
+    assert not steps.answers_part(args, 2).exists()  # the merged answers stand for it
+    assert not (ckpt / steps.ANSWERS / "part-00002.json").exists()
+    steps.keep_parts(args, cfg, state)  # chunk 3's answers are committed merged: its parts are not kept again
+    assert sorted(p.name for p in (ckpt / steps.ANSWERS).iterdir()) == ["chunk-003.jsonl", "part-00000.jsonl"]
     state["heads"]["eagle-s1"]["chunks"] = [0, 1]  # every head has trained on chunk 1: its parts are not kept
-    recipe.answers_part(args, 0).unlink()
+    steps.answers_part(args, 0).unlink()
     (work / "regen" / "part-00000.jsonl").write_text("answers 0\n")
-    recipe.keep_parts(args, cfg, state)
-    assert not recipe.answers_part(args, 0).exists()
+    steps.keep_parts(args, cfg, state)
+    assert not steps.answers_part(args, 0).exists()
 
 
 def test_a_stopped_run_commits_what_it_had_finished(tmp_path, monkeypatch):
@@ -341,55 +362,55 @@ def test_a_stopped_run_commits_what_it_had_finished(tmp_path, monkeypatch):
     (work / "regen").mkdir(parents=True)
     (work / "regen" / "part-00000.jsonl").write_text("answers\n")  # a finished part of chunk 1
     commits = []
-    monkeypatch.setattr(recipe, "commit", lambda args, message: commits.append(message))
+    monkeypatch.setattr(publish, "commit", lambda args, message: commits.append(message))
 
     def stopped(*arguments):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(recipe, "run_chunk", stopped)
+    monkeypatch.setattr(loop, "run_chunk", stopped)
     code, err = run_main("training.recipe", "--data", str(data), "--checkpoints", str(ckpt), "--work", str(work),
                          "--shard-records", "2", "--commit")
     assert code == 130 and "interrupted" in err
     assert commits == ["what a stopped run had finished"]
-    assert recipe.answers_part(Namespace(checkpoints=str(ckpt)), 0).read_text() == "answers\n"
+    assert steps.answers_part(Namespace(checkpoints=str(ckpt)), 0).read_text() == "answers\n"
 
 
 def free(**counts) -> dict:
-    """The recipe's process bookkeeping (recipe.FREE) of --jobs 2 with nothing waiting, but for ``counts``."""
+    """The recipe's process bookkeeping (scheduler.FREE) of --jobs 2 with nothing waiting, but for ``counts``."""
     return {"slots": 2, "ahead": 1, "waiting": 0, "short": 0, "turns": [], "queued": []} | counts
 
 
 def test_a_step_of_a_chunk_built_ahead_waits_while_a_step_of_the_present_chunk_waits(monkeypatch):
-    monkeypatch.setattr(recipe, "FREE", free(slots=1, waiting=1))  # a present step waits
+    monkeypatch.setattr(scheduler, "FREE", free(slots=1, waiting=1))  # a present step waits
     ran = threading.Event()
 
     def step_built_ahead() -> None:
-        recipe.AHEAD.chunk = 1
-        with recipe.slot():
+        scheduler.AHEAD.chunk = 1
+        with scheduler.slot():
             ran.set()
 
     thread = threading.Thread(target=step_built_ahead)
     thread.start()
     assert not ran.wait(0.5)  # the free process is the present's
-    with recipe.SLOTS:
-        recipe.FREE["waiting"] = 0  # the present's step took another one
-        recipe.SLOTS.notify_all()
+    with scheduler.SLOTS:
+        scheduler.FREE["waiting"] = 0  # the present's step took another one
+        scheduler.SLOTS.notify_all()
     assert ran.wait(30)
     thread.join(30)
-    assert recipe.FREE == free(slots=1)
-    recipe.AHEAD.chunk = None
-    with recipe.slot():  # a step of the present takes a free process at once
-        assert recipe.FREE == free(slots=0)
+    assert scheduler.FREE == free(slots=1)
+    scheduler.AHEAD.chunk = None
+    with scheduler.slot():  # a step of the present takes a free process at once
+        assert scheduler.FREE == free(slots=0)
 
 
 def test_a_trained_heads_scoring_goes_before_the_next_heads_training(monkeypatch):
     """Both processes train: when one ends, the head it trained is scored (then exported and committed) before another
     head starts a training that would hold the process for an hour."""
-    monkeypatch.setattr(recipe, "FREE", free(slots=0))
+    monkeypatch.setattr(scheduler, "FREE", free(slots=0))
     order = []
 
     def step(module: str) -> None:
-        with recipe.slot(short=module in recipe.SHORT_STEPS):
+        with scheduler.slot(short=module in scheduler.SHORT_STEPS):
             order.append(module)
 
     threads = []
@@ -397,48 +418,48 @@ def test_a_trained_heads_scoring_goes_before_the_next_heads_training(monkeypatch
         threads.append(threading.Thread(target=step, args=(module,)))
         threads[-1].start()
         deadline = time.time() + 30
-        while recipe.FREE["waiting"] < len(threads) and time.time() < deadline:
+        while scheduler.FREE["waiting"] < len(threads) and time.time() < deadline:
             time.sleep(0.01)
-    with recipe.SLOTS:
-        recipe.FREE["slots"] = 1  # a training ends
-        assert recipe.FREE["short"] == 1 and recipe.may_take(None, short=True) and not recipe.may_take(None)
-        recipe.SLOTS.notify_all()
+    with scheduler.SLOTS:
+        scheduler.FREE["slots"] = 1  # a training ends
+        assert scheduler.FREE["short"] == 1 and scheduler.may_take(None, short=True) and not scheduler.may_take(None)
+        scheduler.SLOTS.notify_all()
     for thread in threads:
         thread.join(30)
     assert order == ["training.evaluate", "training.train"]
-    assert recipe.FREE == free(slots=1)
+    assert scheduler.FREE == free(slots=1)
 
 
 def test_the_present_chunks_trainings_start_in_the_order_they_were_submitted(monkeypatch):
     """Longest first (``longest_first``), whichever thread asks first: the chunk ends with a short training."""
     from concurrent.futures import ThreadPoolExecutor
 
-    monkeypatch.setattr(recipe, "FREE", free(slots=0, submitted=-1))
+    monkeypatch.setattr(scheduler, "FREE", free(slots=0, submitted=-1))
     order, asked = [], []
 
     def training(name: str) -> None:
         asked.append(name)
         if name == "griffin":
             time.sleep(0.3)  # the first turn asks for a process last
-        recipe.python("training.train", name)
+        scheduler.python("training.train", name)
 
-    monkeypatch.setattr(recipe, "run_step", lambda module, name: order.append(name))
+    monkeypatch.setattr(scheduler, "run_step", lambda module, name: order.append(name))
     with ThreadPoolExecutor(3) as pool:
-        futures = recipe.present_steps(pool, 0, {name: (training, name) for name in ("griffin", "hass", "eagle2")})
+        futures = scheduler.present_steps(pool, 0, {name: (training, name) for name in ("griffin", "hass", "eagle2")})
         deadline = time.time() + 30
         while len(asked) < 3 and time.time() < deadline:
             time.sleep(0.01)
         time.sleep(0.5)
-        with recipe.SLOTS:
-            recipe.FREE["slots"] = 1  # one process for all three, one after another
-            recipe.SLOTS.notify_all()
+        with scheduler.SLOTS:
+            scheduler.FREE["slots"] = 1  # one process for all three, one after another
+            scheduler.SLOTS.notify_all()
         for future in futures.values():
             future.result(30)
-    assert order == ["griffin", "hass", "eagle2"] and recipe.FREE == free(slots=1, submitted=0)
+    assert order == ["griffin", "hass", "eagle2"] and scheduler.FREE == free(slots=1, submitted=0)
 
 
 def test_longest_first_orders_heads_by_their_last_training_on_a_chunk_of_the_same_kind():
-    heads = {h.name: h for h in recipe.HEADS}
+    heads = {h.name: h for h in schedule.HEADS}
     cfg = {"regen_records": 1, "chunk_shards": 1, "shards": 4}  # even chunks ShareGPT, odd ones the target's answers
     state = {"timings": [
         {"chunk": 2, "kind": "sharegpt", "train_s": {"griffin": 900, "hass": 1400, "eagle2": 400, "griffin-k1": 500}},
@@ -446,27 +467,27 @@ def test_longest_first_orders_heads_by_their_last_training_on_a_chunk_of_the_sam
         {"chunk": 4, "kind": "sharegpt", "train_s": {"griffin": 1000, "eagle2": 410}},
     ]}
     todo = [heads[name] for name in ("griffin", "griffin-k1", "eagle-tat", "hass", "eagle2")]
-    names = [h.name for h in recipe.longest_first(state, cfg, 6, todo)]
+    names = [h.name for h in steps.longest_first(state, cfg, 6, todo)]
     assert names == ["eagle-tat", "hass", "griffin", "griffin-k1", "eagle2"]  # eagle-tat: no time yet
-    assert [h.name for h in recipe.longest_first(state, cfg, 5, todo)][1:] == ["griffin", "hass", "griffin-k1",
+    assert [h.name for h in steps.longest_first(state, cfg, 5, todo)][1:] == ["griffin", "hass", "griffin-k1",
                                                                               "eagle2"]
 
 
 def test_builds_ahead_never_hold_the_last_process(monkeypatch):
     """The present chunk's steps come one after another (an export, then the next head): between two of them no step
     of the present waits, and builds ahead must not take every process in that moment."""
-    monkeypatch.setattr(recipe, "FREE", free(slots=2))  # --jobs 2
+    monkeypatch.setattr(scheduler, "FREE", free(slots=2))  # --jobs 2
     started = [threading.Event(), threading.Event()]
     done = threading.Event()
 
     def step_built_ahead(i: int) -> None:
-        recipe.AHEAD.chunk = i + 1
-        with recipe.slot():
+        scheduler.AHEAD.chunk = i + 1
+        with scheduler.slot():
             started[i].set()
             done.wait(30)
 
     def present_step() -> None:
-        with recipe.slot():
+        with scheduler.slot():
             present.set()
 
     builds = [threading.Thread(target=step_built_ahead, args=(i,)) for i in range(2)]
@@ -481,59 +502,59 @@ def test_builds_ahead_never_hold_the_last_process(monkeypatch):
     done.set()
     for thread in builds:
         thread.join(30)
-    assert all(e.is_set() for e in started) and recipe.FREE == free(slots=2)
+    assert all(e.is_set() for e in started) and scheduler.FREE == free(slots=2)
 
 
 def test_the_nearest_chunk_built_ahead_takes_a_free_process_first(monkeypatch):
-    monkeypatch.setattr(recipe, "FREE", free(slots=0))  # its process is busy
+    monkeypatch.setattr(scheduler, "FREE", free(slots=0))  # its process is busy
     order = []
 
     def step_built_ahead(chunk: int) -> None:
-        recipe.AHEAD.chunk = chunk
-        with recipe.slot():
+        scheduler.AHEAD.chunk = chunk
+        with scheduler.slot():
             order.append(chunk)
 
-    recipe.FREE.update(slots=1, queued=[26, 25])  # a process is free, and steps of chunks 26 and 25 wait for it
-    assert recipe.may_take(25) and not recipe.may_take(26)
-    recipe.FREE.update(slots=0, queued=[])
+    scheduler.FREE.update(slots=1, queued=[26, 25])  # a process is free, and steps of chunks 26 and 25 wait for it
+    assert scheduler.may_take(25) and not scheduler.may_take(26)
+    scheduler.FREE.update(slots=0, queued=[])
     threads = []
     for chunk in (26, 25):  # the later chunk asks first
         threads.append(threading.Thread(target=step_built_ahead, args=(chunk,)))
         threads[-1].start()
         deadline = time.time() + 30
-        while chunk not in recipe.FREE["queued"] and time.time() < deadline:
+        while chunk not in scheduler.FREE["queued"] and time.time() < deadline:
             time.sleep(0.01)
-    with recipe.SLOTS:
-        recipe.FREE["slots"] = 1  # the process comes free
-        recipe.SLOTS.notify_all()
+    with scheduler.SLOTS:
+        scheduler.FREE["slots"] = 1  # the process comes free
+        scheduler.SLOTS.notify_all()
     for thread in threads:
         thread.join(30)
-    assert order == [25, 26] and recipe.FREE == free(slots=1)
+    assert order == [25, 26] and scheduler.FREE == free(slots=1)
 
 
 def test_a_chunk_built_ahead_after_the_present_ones_kind_starts_once_the_present_training_is_asked_for(monkeypatch):
     """Else it would take the process that the present chunk's data frees before the present's heads ask for it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    monkeypatch.setattr(recipe, "FREE", free(slots=2, submitted=-1))
+    monkeypatch.setattr(scheduler, "FREE", free(slots=2, submitted=-1))
     built = []
-    monkeypatch.setattr(recipe, "build_chunk", lambda args, cfg, chunk, seconds, records: built.append(chunk))
-    monkeypatch.setattr(recipe, "chunk_records", lambda state, cfg, chunk: 0)
+    monkeypatch.setattr(steps, "build_chunk", lambda args, cfg, chunk, seconds, records: built.append(chunk))
+    monkeypatch.setattr(steps, "chunk_records", lambda state, cfg, chunk: 0)
     cfg = {"regen_records": 1, "chunk_shards": 1, "shards": 2}  # chunks 0, 2: ShareGPT; 1, 3: the target's answers
     ahead = {}
     with ThreadPoolExecutor(4) as pool:
         for chunk in range(4):  # chunk 0 is the present one, 1 to 3 are built ahead
-            recipe.submit_build(None, cfg, {}, pool, ahead, chunk, present=0)
+            loop.submit_build(None, cfg, {}, pool, ahead, chunk, present=0)
         for chunk in (0, 1, 3):
             ahead[chunk][0].result(30)
         time.sleep(0.3)
         # chunk 3 followed chunk 1, which is not the present one; chunk 2 waits for chunk 0's heads to ask for processes
         assert sorted(built) == [0, 1, 3]
-        ran = recipe.present_steps(pool, 0, {"griffin": (lambda: "trained",)})
+        ran = scheduler.present_steps(pool, 0, {"griffin": (lambda: "trained",)})
         ahead[2][0].result(30)
         assert sorted(built) == [0, 1, 2, 3] and ran["griffin"].result(30) == "trained"
     # a step that started no process is not waiting
-    assert recipe.FREE == free(slots=2, submitted=0)
+    assert scheduler.FREE == free(slots=2, submitted=0)
 
 
 def test_a_failing_chunk_ends_the_steps_beside_it_and_starts_no_more(tmp_path, monkeypatch):
@@ -541,28 +562,28 @@ def test_a_failing_chunk_ends_the_steps_beside_it_and_starts_no_more(tmp_path, m
 
     def step_then_another() -> None:  # a long step, then one that must not start once the recipe stops
         try:
-            recipe.python("timeit", "-n", "1", "import time; time.sleep(120)")
+            scheduler.python("timeit", "-n", "1", "import time; time.sleep(120)")
         except RuntimeError:
             pass
-        recipe.python("timeit", "-n", "1", f"open({str(started)!r}, 'w')")
+        scheduler.python("timeit", "-n", "1", f"open({str(started)!r}, 'w')")
 
     def failing_chunk(args, cfg, state, path, chunk, stop, pool, ahead, last_commit):
         pool.submit(step_then_another)
-        ahead[chunk + 1] = (pool.submit(recipe.python, "timeit", "-n", "1", "import time; time.sleep(120)"), {})
-        pool.submit(recipe.python, "timeit", "-n", "1", f"open({str(started)!r}, 'w')")  # queued behind both
+        ahead[chunk + 1] = (pool.submit(scheduler.python, "timeit", "-n", "1", "import time; time.sleep(120)"), {})
+        pool.submit(scheduler.python, "timeit", "-n", "1", f"open({str(started)!r}, 'w')")  # queued behind both
         deadline = time.time() + 30
-        while len(recipe.RUNNING) < 2 and time.time() < deadline:
+        while len(scheduler.RUNNING) < 2 and time.time() < deadline:
             time.sleep(0.05)
         raise RuntimeError("python -m training.train failed with exit code 1")
 
-    monkeypatch.setattr(recipe, "run_chunk", failing_chunk)
+    monkeypatch.setattr(loop, "run_chunk", failing_chunk)
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in conversations(4, words=10)))
     t0 = time.time()
     code, err = run_main("training.recipe", "--data", str(data), "--checkpoints", str(tmp_path / "ckpt"), "--work",
                          str(tmp_path / "work"), "--shard-records", "2", "--jobs", "2")
     assert code == 2 and "training.train failed" in err
-    assert time.time() - t0 < 60 and not recipe.RUNNING  # the steps were ended, not waited for
+    assert time.time() - t0 < 60 and not scheduler.RUNNING  # the steps were ended, not waited for
     assert not started.exists()  # neither the queued step nor the one after the ended step ran
 
 
@@ -576,9 +597,9 @@ def test_kill_stops_the_steps_and_a_second_recipe_on_the_same_work_is_refused(tm
     second = {}
 
     def killed_chunk(args, cfg, state, path, chunk, stop, pool, ahead, last_commit):
-        pool.submit(recipe.python, "timeit", "-n", "1", "import time; time.sleep(120)")
+        pool.submit(scheduler.python, "timeit", "-n", "1", "import time; time.sleep(120)")
         deadline = time.time() + 30
-        while not recipe.RUNNING and time.time() < deadline:
+        while not scheduler.RUNNING and time.time() < deadline:
             time.sleep(0.05)
         second["run"] = run_main("training.recipe", *argv)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -588,7 +609,7 @@ def test_kill_stops_the_steps_and_a_second_recipe_on_the_same_work_is_refused(tm
     def unhandled(signum, frame):
         raise AssertionError("the recipe left SIGTERM to the default action (the process would die, its steps run on)")
 
-    monkeypatch.setattr(recipe, "run_chunk", killed_chunk)
+    monkeypatch.setattr(loop, "run_chunk", killed_chunk)
     before = signal.signal(signal.SIGTERM, unhandled)
     try:
         t0 = time.time()
@@ -597,7 +618,7 @@ def test_kill_stops_the_steps_and_a_second_recipe_on_the_same_work_is_refused(tm
     finally:
         signal.signal(signal.SIGTERM, before)
     assert code == 130 and "interrupted" in err
-    assert time.time() - t0 < 30 and not recipe.RUNNING  # the step's process was ended, not waited for
+    assert time.time() - t0 < 30 and not scheduler.RUNNING  # the step's process was ended, not waited for
     code, err = second["run"]
     assert code == 2 and "another recipe is running with --work" in err
 
@@ -610,21 +631,30 @@ def test_auto_precision_is_bf16_only_where_the_hardware_computes_it(monkeypatch,
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    assert recipe.resolve_precision("auto") == expected
-    assert [recipe.resolve_precision(p) for p in ("bf16", "fp32")] == ["bf16", "fp32"]
+    assert steps.resolve_precision("auto") == expected
+    assert [steps.resolve_precision(p) for p in ("bf16", "fp32")] == ["bf16", "fp32"]
 
 
 def test_the_next_chunk_is_built_ahead_only_for_a_head_that_will_train_on_it():
     cfg = {"stage_ends": [2, 3, 4]}  # chunks 0-1 stage 1, chunk 2 stage 2, chunk 3 stage 3
     state = {"heads": {"griffin-s1": {"chunks": [0]}, "eagle-s1": {"chunks": [0]}}}
-    eagle_s1 = next(h for h in recipe.STAGE1 if h.name == "eagle-s1")
+    eagle_s1 = next(h for h in schedule.STAGE1 if h.name == "eagle-s1")
     # griffin-s1 lags (it is not among the heads of this run): chunk 2 would wait for it, so nothing is built ahead
-    assert recipe.next_chunk(Namespace(heads=["eagle-s1", "griffin"]), cfg, state, 1, [eagle_s1], 4) is None
+    assert loop.next_chunk(Namespace(heads=["eagle-s1", "griffin"]), cfg, state, 1, [eagle_s1], 4) is None
     # eagle-s1 training on chunk 1 makes its forks (HASS, EAGLE-2, w/o TAD) due on chunk 2
-    assert recipe.next_chunk(Namespace(heads=[]), cfg, state, 1, [eagle_s1], 4) == 2
-    assert recipe.next_chunk(Namespace(heads=[]), cfg, state, 3, [], 4) is None  # the last chunk of the run
-    assert recipe.chunks_ahead(Namespace(heads=[], ahead=2), cfg, state, 1, [eagle_s1], 4) == [2, 3]
-    ahead = recipe.parse_args(["--ahead", "0"]).ahead  # every process to the present chunk's heads
-    assert recipe.chunks_ahead(Namespace(heads=[], ahead=ahead), cfg, state, 1, [eagle_s1], 4) == []
+    assert loop.next_chunk(Namespace(heads=[]), cfg, state, 1, [eagle_s1], 4) == 2
+    assert loop.next_chunk(Namespace(heads=[]), cfg, state, 3, [], 4) is None  # the last chunk of the run
+    assert loop.chunks_ahead(Namespace(heads=[], ahead=2), cfg, state, 1, [eagle_s1], 4) == [2, 3]
+    ahead = cli.parse_args(["--ahead", "0"]).ahead  # every process to the present chunk's heads
+    assert loop.chunks_ahead(Namespace(heads=[], ahead=ahead), cfg, state, 1, [eagle_s1], 4) == []
     code, err = run_main("training.recipe", "--ahead", "-1")
     assert code == 2 and "--ahead and --regen-records at least 0" in err
+
+
+def test_commit_refuses_a_folder_git_ignores(tmp_path):
+    """The default export folder lives under the git-ignored work/: --commit names the mend instead of failing
+    to commit it at every chunk."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in conversations(2, words=5)))
+    code, err = run_main("training.recipe", "--data", str(data), "--work", str(tmp_path / "work"), "--commit")
+    assert code == 2 and "git ignores work/recipe/heads: give --checkpoints a tracked folder" in err

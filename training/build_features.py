@@ -21,9 +21,9 @@ from contextlib import ExitStack, contextmanager
 from itertools import chain, islice
 from pathlib import Path
 
+from griffin.cli import positive_int, prepare_out, run_cli
 from griffin.constants import EMBEDDED_TARGET
 
-from .cli import positive_int, prepare_out, run_cli
 from .data import DEFAULT_DATA, BadConversation, DataError, iter_records, to_messages
 
 
@@ -81,7 +81,7 @@ import torch
 from tqdm.auto import tqdm
 
 import griffin
-from griffin.chat import TemplateError, set_chat_template, tokenize_conversation
+from griffin.chat_template import TemplateError, set_chat_template, tokenize_conversation
 from griffin.config import default_feature_layers
 from griffin.io import atomic_write_json, read_json
 from griffin.target import file_lock, load_target, resolve_dtype, target_fingerprint

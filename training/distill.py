@@ -31,9 +31,9 @@ import sys
 import time
 from pathlib import Path
 
+from griffin.cli import run_cli
 from griffin.constants import EMBEDDED_TARGET, TOKEN_LOSSES
 
-from .cli import run_cli
 from .data import DEFAULT_DATA, BadConversation, DataError, iter_records, to_messages
 
 
@@ -103,7 +103,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
-from griffin.chat import TemplateError, prompt_ids, tokenize_conversation
+from griffin.chat_template import TemplateError, prompt_ids, tokenize_conversation
 from griffin.compat import TokenizerMismatch, check_compatible
 from griffin.draft_lm import build_student, load_draft_lm, save_draft_lm, vocab_logits
 from griffin.io import atomic_write_json

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from .cli import nonnegative_int, positive_int, run_cli
+from griffin.cli import nonnegative_int, positive_int, run_cli
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

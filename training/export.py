@@ -27,10 +27,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from griffin.cli import run_cli
 from griffin.io import atomic_write, atomic_write_json, atomic_write_text, read_json, weights_digest
-from inference.report import fastest_plain, markdown_table, tree_text
-
-from .cli import run_cli
+from griffin.report import fastest_plain, markdown_table, tree_text
 
 if TYPE_CHECKING:
     from griffin.draft import DraftModel

@@ -6,7 +6,7 @@ a mask of the positions to train on to a per-position loss; the caller reduces (
     loss = make_token_loss("tvd", temperature=1.0)
     per_position = loss(target_logits, draft_logits, mask)  # [..., V], [..., V], [...] -> [...] fp32
 
-Objectives (DESIGN §7; p, q at the same temperature):
+Objectives (docs/design.md#distillation-objectives; p, q at the same temperature):
 
 - ``soft-ce``  ``-Σ p log q`` (the heads' default; FKL plus the entropy of p, so the same gradient)
 - ``fkl``      ``Σ p log(p/q)``

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from griffin.chat import set_chat_template
+from griffin.chat_template import set_chat_template
 from griffin.target import load_target, target_fingerprint
 
 from .build_features import conversations_with_features, feature_layers, tokenize_records

@@ -27,11 +27,11 @@ import time
 from itertools import islice
 from pathlib import Path
 
-from griffin.chat import render, set_chat_template
+from griffin.chat_template import render, set_chat_template
+from griffin.cli import run_cli
 from griffin.constants import EMBEDDED_TARGET
 from griffin.io import atomic_write, atomic_write_text
 
-from .cli import run_cli
 from .data import DEFAULT_DATA, BadConversation, DataError, iter_records, to_messages
 
 log = logging.getLogger("regenerate")

@@ -24,9 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from griffin.cli import run_cli
 from griffin.constants import EMBEDDED_TARGET
 
-from .cli import run_cli
 from .data import DEFAULT_DATA
 
 RESULTS = Path("benchmarks/results")
@@ -118,7 +118,7 @@ def measure_training(args, store: str, work: Path, steps: int, precision: str) -
 
 
 def table(result: dict) -> str:
-    from inference.report import markdown_table
+    from griffin.report import markdown_table
 
     text = f"# Training pipeline throughput\n\nTarget {result['target']}.\n\n"
     if "regeneration" in result:
@@ -157,14 +157,14 @@ def baseline(rows: list[dict], threads: int) -> float:
 def machine_text(machine: dict) -> str:
     """The shared machine line (CPU with its vector extensions: bf16 is emulated without AVX512-BF16 or AMX) and the
     load average when the section finished."""
-    from inference.report import machine_text as shared
+    from griffin.report import machine_text as shared
 
     load = f", load average {machine['load_average_1m']}" if "load_average_1m" in machine else ""
     return f"machine {shared(machine)}{load}."
 
 
 def main(argv: list[str] | None = None) -> int:
-    from inference.report import command_line, machine_info, write_benchmark
+    from griffin.report import command_line, machine_info, write_benchmark
 
     args = parse_args(argv)
     path = Path(args.out_dir) / "pipeline-throughput.json"

@@ -35,9 +35,9 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from griffin.cli import fraction, nonnegative_float, nonnegative_int, positive_float, positive_int, prepare_out, run_cli
 from griffin.constants import EMBEDDED_TARGET, FUSED_ARCHS, HEAD_ARCHS, TOKEN_LOSSES, TTT_STEPS
 
-from .cli import fraction, nonnegative_float, nonnegative_int, positive_float, positive_int, prepare_out, run_cli
 from .data import DEFAULT_DATA
 
 VAL_FRACTION = 0.05  # of a store's conversations held out for validation (the same ones for every head)

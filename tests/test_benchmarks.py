@@ -1,0 +1,257 @@
+"""The studies under benchmarks/: their reports from fake runs, and the engine benchmarks at tiny sizes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from griffin import DraftConfig, DraftModel, SpecGenerator
+from tests.conftest import ROOT, fake_result, run_main, run_module, tiny_model
+
+
+def fake_heads(checkpoints: Path, suffixes) -> dict[str, str]:
+    """Head folders whose files differ only in one byte -> {suffix: weights digest}."""
+    from griffin.io import weights_digest
+
+    digests = {}
+    for i, suffix in enumerate(suffixes):
+        folder = checkpoints / f"smollm2-135m-instruct-{suffix}"
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_bytes(bytes([i]))
+        digests[suffix] = weights_digest(folder)
+    return digests
+
+
+def test_ablation_report_and_readme_section_count_only_runs_of_the_present_weights(tmp_path, capsys):
+    from benchmarks import ablation, headline
+
+    results, checkpoints = tmp_path / "results", tmp_path / "checkpoints"
+    (results / "ablation").mkdir(parents=True)
+    digests = fake_heads(checkpoints, ablation.HEADS.values())
+    for i, suffix in enumerate(ablation.HEADS.values()):
+        for bench in ("mt_bench", "humaneval", "gsm8k"):
+            for t in (0, 1):
+                name = f"{bench}-smollm2-135m-instruct-{suffix}-T{t}.json"
+                (results / "ablation" / name).write_text(json.dumps(fake_result(bench, suffix, float(t),
+                                                                                3.0 - 0.2 * i, digests[suffix])))
+                if suffix == "griffin":  # the headline runs of the shipped head
+                    (results / name).write_text(json.dumps(fake_result(bench, suffix, float(t), 3.5,
+                                                                       digests[suffix])))
+    stale = fake_result("mt_bench", "griffin-lookup10", 0.0, 9.0, "an earlier head")  # same name, other weights
+    (results / "mt_bench-smollm2-135m-instruct-griffin-lookup10-T0.json").write_text(json.dumps(stale))
+    (results / "ablation" / "mt_bench-smollm2-135m-instruct-hass-T0.json").write_text(
+        json.dumps(fake_result("mt_bench", "hass", 0.0, 9.0, "an earlier head")))
+    assert ablation.main(["--results", str(results / "ablation"), "--report", str(results / "ablation.md"),
+                          "--checkpoints", str(checkpoints)]) == 0
+    assert "left out 1 runs" in capsys.readouterr().out
+    report = (results / "ablation.md").read_text()
+    assert "| GRIFFIN | 3.00 ± 0.10 |" in report and "1.364x" in report  # 3.0 / 2.2 against EAGLE-2
+    assert "| HASS (eagle, K=3, no mask) | - | 2.40 ± 0.10 |" in report  # its stale mt_bench run left out
+    assert "| EAGLE-2 (eagle, K=1) | +0.800 ± 0.000 (1.364x) |" in report  # paired by question and turn
+    assert (results / "ablation.png").stat().st_size > 1000
+    readme = tmp_path / "bench" / "README.md"
+    readme.parent.mkdir()
+    readme.write_text("intro\n<!-- results:start -->\nold\n<!-- results:end -->\nrest\n")
+    assert headline.main(["--readme", str(readme), "--results", str(results), "--checkpoints", str(checkpoints)]) == 0
+    assert "left out 1 runs of other weights" in capsys.readouterr().out
+    text = readme.read_text()
+    assert "old" not in text and text.endswith("rest\n") and "9.00" not in text
+    assert ("| mt_bench | 0.00 | fp32 | Intel Xeon | 1 | 80 | 128 | 24 nodes, depth 5 | 3.50 | **1.50x** (own loop) | "
+            "2.00x |") in text  # the CPU without trademark signs
+    assert "| 20.0 (linear) | 1.20x | 1.00 |" in text  # prompt lookup: a ratio of tokens/s (18 / 15), not of times
+    assert "| GRIFFIN | 3.00 ± 0.10 |" in text and "+0.800 ± 0.000" not in text  # the τ table, not the paired one
+    from griffin.report import result_stem
+
+    assert result_stem("gsm8k", "h", 0.0, "fp32") == "gsm8k-h-T0" and result_stem("gsm8k", "h", 1.0, "bf16") == \
+        "gsm8k-h-T1-bf16"
+    assert "](../results/ablation.md)" in text and "| GRIFFIN | 3.00 ± 0.10 |" in text  # links from the readme
+    assert "[json](../results/mt_bench-smollm2-135m-instruct-griffin-T0.json)" in text
+
+
+def test_ablation_from_replays_runs_every_head_at_once_and_pairs_griffin_with_each(tmp_path, monkeypatch):
+    from benchmarks import ablation
+    from inference import tau
+
+    checkpoints = tmp_path / "checkpoints"
+    digests = fake_heads(checkpoints, ablation.HEADS.values())
+    calls = []
+
+    def fake_tau(argv):  # writes what inference.tau writes: one file per bench and T with every head in it
+        calls.append(argv)
+        heads = argv[argv.index("--heads") + 1: argv.index("--bench")]
+        t = argv[argv.index("--temperatures") + 1]
+        out = Path(argv[argv.index("--out") + 1])
+        result = {"command": "python -m inference.tau " + " ".join(argv), "max_new_tokens": 128,
+                  "tree": {"depth": 5, "top_k": 8, "total_tokens": 24}, "heads": {},
+                  "head_digests": {Path(h).name: digests[Path(h).name.removeprefix("smollm2-135m-instruct-")]
+                                   for h in heads}}
+        for i, head in enumerate(heads):
+            per_prompt = [{"question_id": q, "turn": 0, "tau": 3.0 - 0.2 * i + 0.1 * q} for q in range(4)]
+            result["heads"][Path(head).name] = {t: {"tau": 3.15 - 0.2 * i, "n_prompts": 4, "per_prompt": per_prompt}}
+        out.with_suffix(".json").write_text(json.dumps(result))
+        return 0
+
+    monkeypatch.setattr(tau, "main", fake_tau)
+    results, report = tmp_path / "ablation", tmp_path / "ablation.md"
+    results.mkdir()
+    common = ["--replay", "--results", str(results), "--report", str(report), "--benches", "mt_bench,gsm8k",
+              "--checkpoints", str(checkpoints)]
+    assert ablation.main(["--run", *common, "--threads", "2"]) == 0
+    assert len(calls) == 4 and all(len(argv[argv.index("--heads") + 1: argv.index("--bench")]) == 5 for argv in calls)
+    limits = {(a[a.index("--bench") + 1], a[a.index("--temperatures") + 1]): a[a.index("--limit") + 1]
+              if "--limit" in a else None for a in calls}
+    assert limits == {("mt_bench", "0"): None, ("gsm8k", "0"): "20", ("mt_bench", "1"): "20", ("gsm8k", "1"): "20"}
+    text = report.read_text()
+    assert "offline replays" in text and "| GRIFFIN | 3.15 ± 0.06 |" in text
+    assert "| EAGLE-2 (eagle, K=1) | +0.800 ± 0.000 (1.340x) |" in text  # 3.15 / 2.35, paired prompt by prompt
+    assert ablation.main(["--run", *common]) == 0 and len(calls) == 4  # nothing missing: nothing rerun
+    (checkpoints / "smollm2-135m-instruct-eagle2" / "model.safetensors").write_bytes(b"retrained")
+    assert ablation.main(common) == 0 and "| EAGLE-2" not in report.read_text()  # its replays are of other weights
+    with pytest.raises(FileNotFoundError, match="run with --run first$"):  # no speed runs there
+        ablation.main(common[1:])
+
+
+def test_machine_line_names_the_vector_extensions_and_the_headline_marks_amx():
+    from benchmarks.headline import cpu_text
+    from griffin.kernels import VECTOR_FLAGS, cpu_flags
+    from griffin.report import machine_info, machine_text
+
+    assert set(cpu_flags()) <= set(VECTOR_FLAGS) and machine_info()["cpu_flags"] == cpu_flags()
+    xeon = {"cpu": "Intel(R) Xeon(R) Platinum 8481C CPU", "cores": 2, "torch": "2.13", "date": "today",
+            "cpu_flags": ["avx512f", "amx_tile", "amx_bf16"], "torch_threads": 1}
+    assert machine_text(xeon) == ("Intel(R) Xeon(R) Platinum 8481C CPU (avx512f, amx_tile, amx_bf16), 2 cores, "
+                                  "1 torch threads, torch 2.13, today")
+    assert cpu_text(xeon) == "Intel Xeon Platinum 8481C CPU (AMX)"
+    old = {"cpu": "AMD EPYC", "cores": 2, "torch": "2.13", "date": "today"}  # written before cpu_flags existed
+    assert machine_text(old) == "AMD EPYC, 2 cores, torch 2.13, today" and cpu_text(old) == "AMD EPYC"
+
+
+def test_engine_benchmark_on_a_tiny_target(tmp_path, tiny_target_dir):
+    res = run_module("benchmarks.engine", "--target", str(tiny_target_dir), "--max-new-tokens", "12", "--max-chain",
+                     "2", "--draft-vocab", "0", "--out-dir", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    result = json.loads((tmp_path / "engine.json").read_text())
+    assert set(result["oracle"]) == {"oracle_tree", "oracle_chain_1", "oracle_chain_2"}
+    assert result["oracle"]["oracle_chain_2"]["tau"] > result["oracle"]["oracle_chain_1"]["tau"] > 1
+    assert result["untrained_cycle_s"] > 0 and result["forward_cost_s"]["F.linear"]["1"] > 0
+    assert min(result["untrained_cycle_split_s"].values()) > 0
+    assert "## Ceiling" in (tmp_path / "engine.md").read_text()
+
+
+def test_verify_profile_groups_the_operators_of_one_forward(tmp_path, tiny_target_dir):
+    from benchmarks import verify_profile
+
+    assert verify_profile.main(["--target", str(tiny_target_dir), "--tokens", "1,3", "--repeats", "2",
+                                "--out-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "verify-profile.json").read_text())
+    assert set(result["runs"]) == {"1", "3"}
+    for run in result["runs"].values():
+        groups = run["groups_s"]
+        assert groups["matrix products"] > 0 and groups["attention"] > 0
+        assert sum(groups.values()) <= run["profiled_s"] * 1.01
+        assert run["ops_per_forward"] > 10
+    assert result["linear_weight_bytes"] > 0
+    assert "matrix products' weight bandwidth" in (tmp_path / "verify-profile.md").read_text()
+    for matmul in ("aten::mm", "mkldnn::_linear_pointwise"):  # the latter: the oneDNN kernel
+        assert verify_profile.group_of(matmul) == "matrix products"
+    assert verify_profile.group_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert verify_profile.group_of("aten::copy_") == "copies and views"
+    assert verify_profile.group_of("aten::rsqrt").startswith("elementwise")
+
+
+def test_gpu_check_script_runs_the_benchmark_at_the_tiny_shape(tmp_path):
+    """benchmarks/gpu_check.sh as the lead runs it on a GPU machine, at the tiny shape (its CUDA tests left out)."""
+    import subprocess
+
+    env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_TINY": "1", "GPU_CHECK_TESTS": "0", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT)}
+    res = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    log = (tmp_path / "bench.log").read_text() if (tmp_path / "bench.log").exists() else ""
+    assert res.returncode == 0, res.stdout + log[-3000:]
+    assert "benchmark tiny: ok" in res.stdout and "torch" in res.stdout
+    shape = json.loads((tmp_path / "engine-cpu.json").read_text())["shapes"]["tiny"]
+    assert shape["complete"] and shape["dtype"] == "fp32" and shape["parameters"] == 106_816
+    oracle = shape["oracle"]
+    assert set(oracle) == {"1", "6", "60"}
+    # 24 new tokens: one from the prefill, then cycles of 2 tokens (1 node) or 7 (depth 6), the last one cut
+    assert oracle["1"]["tau"] == 2.0 and oracle["6"]["tau"] == oracle["60"]["tau"] == 6.0
+    for o in oracle.values():
+        assert o["identical_to_generate"] == 1.0 and o["oracle_runs"] == 1 and o["ceiling"] > 0
+    untrained = shape["untrained"]
+    assert untrained["cycles"] > 0 and untrained["identical_to_generate"] == 1.0
+    assert min(untrained["draft_s"], untrained["verify_s"], untrained["other_s"]) > 0
+    assert {"1", "2", "7", "61"} <= set(shape["forward_cost_s"]) and shape["autotune"]["total_tokens"] >= 0
+    table = (tmp_path / "engine-cpu.md").read_text()
+    assert "## tiny" in table and "Engine overhead at the 60-node tree" in table
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.log", "engine-cpu.json", "engine-cpu.md",
+                                                          "summary.txt"]
+
+
+def test_gpu_engine_oracle_reproposes_the_engines_own_tokens():
+    from benchmarks.gpu_engine import IdTokenizer, oracle_generate
+
+    target = tiny_model("llama", vocab_size=96)
+    torch.manual_seed(0)
+    head = DraftModel(DraftConfig.from_target(target.config))
+    gen = SpecGenerator(target, IdTokenizer(96), head, depth=6, top_k=10, total_tokens=60)
+    ids = torch.tensor([5, 17, 33, 2])
+    ref = target.generate(ids[None], max_new_tokens=20, do_sample=False)[0, 4:].tolist()
+    stats, _, runs, same = oracle_generate(gen, ids, ref, 60, 20, passes=4)
+    assert (runs, same) == (1, True) and stats.tau > 4
+    wrong = ref[:8] + [(t + 1) % 96 for t in ref[8:]]  # as if the engine rounded a near-tie differently at 8
+    stats, _, runs, same = oracle_generate(gen, ids, wrong, 60, 20, passes=4)
+    assert (runs, same) == (2, True) and stats.tau > 4
+    code, err = run_main("benchmarks.gpu_engine", "--shapes", "tiny,bogus")
+    assert code == 2 and "unknown shape(s) ['bogus']" in err
+
+
+def test_identity_reports_the_first_divergence_and_its_margin_in_rounding_steps():
+    from benchmarks.identity import first_divergence, ulp
+
+    assert ulp(1.0, torch.bfloat16) == 2**-7 and ulp(20.0, torch.bfloat16) == 0.125
+    assert ulp(1.0, torch.float32) == 2**-23
+    logits = torch.zeros(4, 6, dtype=torch.bfloat16)
+    logits[2, 3], logits[2, 5] = 20.0, 19.75  # generate chose 3 at step 2; token 5 was two bf16 steps below
+    assert first_divergence([1, 2, 3, 4], [1, 2, 3, 4], logits, torch.bfloat16) is None
+    found = first_divergence([1, 2, 3, 4], [1, 2, 5, 0], logits, torch.bfloat16)
+    assert found == {"position": 2, "margin": 0.25, "margin_ulp": 2.0}
+    assert first_divergence([1, 2, 3], [1, 2], logits, torch.bfloat16) == {"position": 2, "margin": None,
+                                                                           "margin_ulp": None}
+
+
+def test_distill_lm_report_shows_learning_curves_and_the_training_text_nll(tmp_path):
+    from benchmarks.distill_lm import plot, report, target_nll_summary
+
+    def student(curve: list[float], nll: float | None) -> dict:
+        nlls = {} if nll is None else {"train_target_nll_first": nll - 0.5, "train_target_nll_last": nll + 0.5}
+        return {"description": "d", "steps": 50, "val_acceptance": curve[-1], "train_target_nll": nll, **nlls,
+                "val_curve": [{"updates": 25 * i, "acceptance": a, "positions": 9} for i, a in enumerate(curve)],
+                "T0": {"alpha": 0.2, "tau": 1.2, "identical_fraction": 1.0}, "T1": {"alpha": 0.3, "tau": 1.3}}
+
+    result = {"settings": {"layers": 2, "draft_vocab": 64, "steps": 50, "batch_size": 4, "gen_len": 8, "lr": 3e-3,
+                           "max_new_tokens": 8, "gamma": 3},
+              "question_ids": [81], "best_student": "fixed", "command": "cmd", "train_minutes": 1.0,
+              "wall_minutes": 1.0, "load_average_before_speed": 0.5, "load_average_after_speed": 0.5,
+              "machine": {"cpu": "Intel(R) Xeon(R) Processor", "cores": 2, "torch": "2.13", "date": "today"},
+              "students": {"undistilled": student([0.06, 0.06], None), "fixed": student([0.06, 0.18, 0.25], 1.86),
+                           "online": student([0.06, 0.06, 0.17], 7.5)},
+              "speed": {"fastest_plain": "plain", "methods": {"plain": {"tokens_per_s": 12.0, "tau": 1.0,
+                                                                       "speedup_vs_fastest_plain": 1.0,
+                                                                       "identical_fraction": 1.0}},
+                        "costs": {"draft_step_s": 0.006, "draft_step_vs_target_step": 0.07,
+                                  "target_forward_s": {"1": 0.09, "2": 0.1}, "break_even_alpha": {"1": 0.01}}}}
+    text = report(result)
+    assert "| fixed | 0.060 | 0.180 | 0.250 |" in text and "| online | 0.060 | 0.060 | 0.170 |" in text
+    assert "| undistilled |" in text.split("as training goes")[0]
+    assert "| 7.50 (first 10 updates 7.00, last 10 8.00) |" in text  # the NLL column
+    history = [{"target_nll": float(i)} for i in range(30)] + [{"loss": 1.0}]
+    assert target_nll_summary(history) == {"train_target_nll": 14.5, "train_target_nll_first": 4.5,
+                                           "train_target_nll_last": 24.5}
+    plot(result, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
