@@ -312,8 +312,10 @@ def _generate_missing(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
 
 
 @torch.inference_mode()
-def target_features(target: PreTrainedModel, prompt: torch.Tensor, continuation: torch.Tensor) -> torch.Tensor:
-    """The target's final-norm hidden states of ``prompt + continuation[:-1]`` -> [P + L - 1, H].
+def target_features(target: PreTrainedModel, prompt: torch.Tensor, continuation: torch.Tensor,
+                    layers: list[int] | None = None) -> torch.Tensor:
+    """The target's final-norm hidden states of ``prompt + continuation[:-1]`` -> [P + L - 1, H] (with ``layers``,
+    those of a fused-feature head: the hidden states entering these layers, concatenated, [P + L - 1, 3H]).
 
     The prompt goes through the engine's prefill call (same mask, cache and kernels, so its features are the
     engine's), the continuation through one more forward on top of its KV cache."""
@@ -333,8 +335,10 @@ def target_features(target: PreTrainedModel, prompt: torch.Tensor, continuation:
         small = start == 0 and 2 <= q <= weight_major.max_rows  # as SpecGenerator._target_forward on the prompt
         with weight_major if small else contextlib.nullcontext():
             out = cached_forward(decoder, cache, input_ids=tokens[None], position_ids=positions[None],
-                                 attention_mask=verification_mask(target, start, causal, dtype))
-        hidden.append(out.last_hidden_state[0])
+                                 attention_mask=verification_mask(target, start, causal, dtype),
+                                 output_hidden_states=layers is not None)
+        hidden.append(out.last_hidden_state[0] if layers is None else
+                      torch.cat([out.hidden_states[i][0] for i in layers], dim=-1))
     return torch.cat(hidden)
 
 
@@ -477,16 +481,18 @@ def evaluate(heads: Mapping[str, DraftModel], target: PreTrainedModel, samples: 
     device = next(target.parameters()).device
     results = {name: TauResult(depth) for name in heads}
     for sample in tqdm(samples, desc="replay", unit="prompt", dynamic_ncols=True, disable=not progress):
-        hidden = None
+        features: dict[tuple | None, torch.Tensor] = {}  # by the target layers a head reads (None: the last)
         for name, draft in heads.items():
             result = known.get((name, sample.question_id, sample.turn))
             if result is None:
                 prompt = torch.tensor(sample.prompt, dtype=torch.long, device=device)
                 continuation = torch.tensor(sample.continuation, dtype=torch.long, device=device)
-                if hidden is None:
-                    hidden = target_features(target, prompt, continuation)
+                layers = draft.config.feature_layers
+                key = tuple(layers) if layers else None
+                if key not in features:
+                    features[key] = target_features(target, prompt, continuation, layers)
                 drafter = HeadDrafter(draft, depth, top_k, total_tokens, prompt.shape[0] + continuation.shape[0])
-                result = replay(drafter, prompt, continuation, hidden, sample.question_id, sample.turn)
+                result = replay(drafter, prompt, continuation, features[key], sample.question_id, sample.turn)
                 if on_prompt is not None:
                     on_prompt(name, result)
             results[name].prompts.append(result)
@@ -543,7 +549,8 @@ def engine_check(head: DraftModel, target: PreTrainedModel, tokenizer: PreTraine
                                seed=seed + (qid if isinstance(qid, int) else 0) + 1000 * sample.turn)
             new = out.sequences[0, prompt.shape[0]:]
             drafter = HeadDrafter(head, depth, top_k, total_tokens, prompt.shape[0] + new.shape[0])
-            ours = replay(drafter, prompt, new, target_features(target, prompt, new), qid, sample.turn)
+            hidden = target_features(target, prompt, new, head.config.feature_layers)
+            ours = replay(drafter, prompt, new, hidden, qid, sample.turn)
             row = {"question_id": qid, "turn": sample.turn, "engine_tau": out.stats.tau, "replay_tau": ours.tau,
                    "engine_cycles": out.stats.cycles, "replay_cycles": ours.cycles}
             if temperature == 0:

@@ -36,7 +36,7 @@ def head_for(target, arch: str = "griffin", seed: int = 1) -> DraftModel:
     return DraftModel(DraftConfig.from_target(target.config, arch=arch))
 
 
-@pytest.mark.parametrize("arch", ["griffin", "eagle"])
+@pytest.mark.parametrize("arch", ["griffin", "eagle", "eagle3", "griffin3"])
 def test_greedy_replay_has_the_engines_cycles(arch):
     # a 16-token vocabulary: an untrained head's top-k trees still hit the target's choices, at every depth
     target = tiny_model("llama", vocab_size=16).to(F64)
