@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from griffin import SpecGenerator
 from griffin.config import DraftConfig, default_feature_layers
@@ -318,6 +318,10 @@ def test_commands_build_train_and_export_fused_heads(tmp_path, tiny_target_dir):
     store = FeatureStore(layered)
     assert store.feature_layers == [1, 1, 0] and store[0].layers.shape == (len(store[0].input_ids), 96)
     torch.testing.assert_close(store[0].hidden, FeatureStore(plain)[0].hidden)
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    with torch.no_grad():  # the target's top tokens come along, so that TTT need not run the whole lm_head
+        assert torch.equal(store[2].argmax, target(store[2].input_ids[None]).logits[0].argmax(-1))
+    assert FeatureStore(plain)[0].argmax is None
     code, err = run_main("training.build_features", "--out", str(tmp_path / "x"), "--feature-layers", "1,2", *common)
     assert code == 2 and "three layer indices" in err
     code, err = run_main("training.train", "--features", str(plain), "--out", str(tmp_path / "no"), "--arch", "eagle3")

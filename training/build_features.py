@@ -189,10 +189,12 @@ def building(out: Path, main: bool):
 
 @torch.inference_mode()
 def hidden_states(decoder, batch: list[torch.Tensor], pad_id: int, device: torch.device,
-                  layers: list[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+                  layers: list[int] | None = None, lm_head: torch.nn.Module | None = None
+                  ) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
     """Each sequence's final-norm hidden states (``hidden_states[-1]``) [L, H] and, with ``layers``, the hidden states
-    entering those decoder layers concatenated [L, 3H] (else None); the sequences right-padded into one batch.
-    Feature building and online training (``train --online``) both read the target through this function."""
+    entering those decoder layers concatenated [L, 3H], and with ``lm_head`` the target's argmax token [L] (else
+    None); the sequences right-padded into one batch. Feature building and online training (``train --online``) both
+    read the target through this function."""
     width = max(len(x) for x in batch)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     att = torch.zeros((len(batch), width), dtype=torch.long)
@@ -201,8 +203,11 @@ def hidden_states(decoder, batch: list[torch.Tensor], pad_id: int, device: torch
         att[i, : len(x)] = 1
     out = decoder(input_ids=ids.to(device), attention_mask=att.to(device), output_hidden_states=layers is not None)
     fused = torch.cat([out.hidden_states[j] for j in layers], dim=-1) if layers is not None else None
+    # the argmax is invariant under the families' logits transforms (scaling, softcapping): the plain product
+    best = None if lm_head is None else torch.stack([lm_head(h).argmax(-1) for h in out.last_hidden_state])
     return [(out.last_hidden_state[i, : len(x)].float().cpu(),
-             None if fused is None else fused[i, : len(x)].float().cpu()) for i, x in enumerate(batch)]
+             None if fused is None else fused[i, : len(x)].float().cpu(),
+             None if best is None else best[i, : len(x)].to(torch.int32).cpu()) for i, x in enumerate(batch)]
 
 
 def tokenize_records(records: list, tokenizer, max_len: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
@@ -222,22 +227,23 @@ def tokenize_records(records: list, tokenizer, max_len: int) -> tuple[list[tuple
 
 
 def conversations_with_features(decoder, usable: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int,
-                                device: torch.device, storage_dtype: torch.dtype,
-                                layers: list[int] | None = None) -> list[Conversation]:
+                                device: torch.device, storage_dtype: torch.dtype, layers: list[int] | None = None,
+                                lm_head: torch.nn.Module | None = None) -> list[Conversation]:
     """One padded target forward over the given (input_ids, loss_mask) -> their conversations with features in the
-    storage dtype, as a store holds them (``train --online`` calls this per batch)."""
-    outs = hidden_states(decoder, [ids for ids, _ in usable], pad_id, device, layers)
+    storage dtype, as a store holds them (``train --online`` calls this per batch). With ``layers`` the target's
+    argmax tokens come along (``lm_head``): training-time test counts a position only where it is a draft token."""
+    outs = hidden_states(decoder, [ids for ids, _ in usable], pad_id, device, layers, lm_head if layers else None)
     items = []
-    for (ids, mask), (h, fused) in zip(usable, outs):
+    for (ids, mask), (h, fused, best) in zip(usable, outs):
         stored = [x.to(storage_dtype) for x in (h, fused) if x is not None]
         if not all(torch.isfinite(x).all() for x in stored):
             raise StoreError(f"hidden states overflow {storage_dtype}; build with --dtype bf16")
-        items.append(Conversation(ids, mask, stored[0], stored[1] if fused is not None else None))
+        items.append(Conversation(ids, mask, stored[0], stored[1] if fused is not None else None, best))
     return items
 
 
 def process_shard(records: list, tokenizer, decoder, args, storage_dtype, device, progress,
-                  layers: list[int] | None = None) -> tuple[list, dict]:
+                  layers: list[int] | None = None, lm_head: torch.nn.Module | None = None) -> tuple[list, dict]:
     usable, skipped = tokenize_records(records, tokenizer, args.max_len)
     order = sorted(range(len(usable)), key=lambda j: len(usable[j][0]))
     built: list[Conversation | None] = [None] * len(usable)
@@ -245,7 +251,7 @@ def process_shard(records: list, tokenizer, decoder, args, storage_dtype, device
         chunk = order[b : b + args.batch_size]
         t0 = time.perf_counter()
         outs = conversations_with_features(decoder, [usable[j] for j in chunk], tokenizer.pad_token_id, device,
-                                           storage_dtype, layers)
+                                           storage_dtype, layers, lm_head)
         for j, item in zip(chunk, outs):
             built[j] = item
         progress.update(len(chunk), sum(len(usable[j][0]) for j in chunk), time.perf_counter() - t0)
@@ -306,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         if (out / MANIFEST).is_file():
             log.info("%s is already complete", out)
         else:
-            build_shards(args, out, state, tokenizer, model.get_decoder(), storage_dtype, device, settings)
+            build_shards(args, out, state, tokenizer, model, storage_dtype, device, settings)
         state.wait_for_everyone()
         if args.shard_range is not None:
             start, end = args.shard_range
@@ -324,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def build_shards(args, out: Path, state, tokenizer, decoder, storage_dtype, device, settings) -> None:
+def build_shards(args, out: Path, state, tokenizer, model, storage_dtype, device, settings) -> None:
     records = chain.from_iterable(iter_records(source) for source in args.data)
     first, stop = 0, args.max_samples
     if args.shard_range is not None:
@@ -351,7 +357,8 @@ def build_shards(args, out: Path, state, tokenizer, decoder, storage_dtype, devi
             progress.skip(len(chunk))
         else:
             layers = settings.get("feature_layers")
-            items, stats = process_shard(chunk, tokenizer, decoder, args, storage_dtype, device, progress, layers)
+            items, stats = process_shard(chunk, tokenizer, model.get_decoder(), args, storage_dtype, device, progress,
+                                         layers, model.get_output_embeddings())
             write_shard(path, items, stats, settings["vocab_size"], settings["hidden_size"], storage_dtype,
                         layered=layers is not None)
             written += 1

@@ -80,9 +80,10 @@ class Batch:
     next_tokens: torch.Tensor  # [B, T] x_{t+2} (the true next token; -1 where unknown)
     data_mask: torch.Tensor  # [B, T] 1 where x_{t+1} is an assistant token
     valid: torch.Tensor  # [B, T] bool, False on padding
+    target_argmax: torch.Tensor | None = None  # [B, T] the target's top token after x_{t+1}, when the store has it
 
     def to(self, device) -> Batch:
-        return Batch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+        return Batch(*(None if (x := getattr(self, f)) is None else x.to(device) for f in self.__dataclass_fields__))
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +104,8 @@ def make_batch(items, max_len: int | None = None, fused: bool = False) -> Batch:
     targets = torch.zeros(b, width, hsize)
     data_mask = torch.zeros(b, width)
     valid = torch.zeros(b, width, dtype=torch.bool)
+    known = fused and all(c.argmax is not None for c in items)
+    target_argmax = torch.zeros(b, width, dtype=torch.long) if known else None
     for i, (ids, mask, hidden, read) in enumerate(cut):
         n = len(ids) - 1
         tokens[i, :n] = ids[1:]
@@ -111,7 +114,9 @@ def make_batch(items, max_len: int | None = None, fused: bool = False) -> Batch:
         targets[i, :n] = hidden[1:].float()
         data_mask[i, :n] = mask[1:].float()
         valid[i, :n] = True
-    return Batch(tokens, features, targets, next_tokens, data_mask, valid)
+        if target_argmax is not None:
+            target_argmax[i, :n] = items[i].argmax[1 : n + 1]
+    return Batch(tokens, features, targets, next_tokens, data_mask, valid, target_argmax)
 
 
 def batch_members(draft: DraftModel, batch: Batch) -> torch.Tensor | None:
@@ -314,7 +319,10 @@ class Rollout:
         vocabulary) the head can propose; a head over the whole vocabulary counts every assistant token."""
         if int(to_local.ge(0).sum()) == to_local.shape[0]:
             return data_mask
-        best = F.linear(batch.targets.flatten(0, 1)[data_rows], self.draft.lm_weight_full()).argmax(-1)  # [N1]
+        if batch.target_argmax is not None:  # stored with the features (build_features --feature-layers)
+            best = batch.target_argmax.flatten()[data_rows]
+        else:  # [N1]: the whole lm_head, a large product, once per batch
+            best = F.linear(batch.targets.flatten(0, 1)[data_rows], self.draft.lm_weight_full()).argmax(-1)
         proposable = torch.zeros(data_mask.numel(), device=data_mask.device)
         proposable[data_rows] = (to_local[best] >= 0).float()
         return data_mask * proposable.view_as(data_mask)

@@ -38,6 +38,7 @@ class OnlineFeatures:
         set_chat_template(self.tokenizer, chat_template)
         self.device = device
         self.decoder = (prepare or (lambda m: m))(model.get_decoder())
+        self.lm_head = model.get_output_embeddings()
         self.folder = Path(data[0])
         records = list(islice(chain.from_iterable(iter_records(source) for source in data), max_samples))
         self.conversations, skipped = tokenize_records(records, self.tokenizer, max_len)
@@ -76,4 +77,4 @@ class OnlineFeatures:
         """Conversations ``indices`` with their features: one forward of the frozen target."""
         return conversations_with_features(self.decoder, [self.conversations[i] for i in indices],
                                            self.tokenizer.pad_token_id, self.device, self.storage_dtype,
-                                           self.feature_layers)
+                                           self.feature_layers, self.lm_head)

@@ -4,8 +4,8 @@ Layout of a store folder::
 
     build.json                  settings the store is built with (a rerun with other settings is refused)
     shard-00000.safetensors     input_ids int32 [N], loss_mask uint8 [N], hidden fp16|bf16 [N, H],
-                                layers fp16|bf16 [N, 3H] (with feature_layers: the inputs of three target layers,
-                                which EAGLE-3-generation heads read),
+                                layers fp16|bf16 [N, 3H] and argmax int32 [N] (with feature_layers: the inputs of
+                                three target layers, which EAGLE-3-generation heads read, and the target's top token),
                                 offsets int64 [n+1] (conversation j is rows offsets[j]:offsets[j+1]),
                                 token_counts int64 [V] (assistant-token frequencies); per-shard stats in metadata
     manifest.json               written last: the store is complete only when it exists
@@ -46,6 +46,7 @@ class Conversation:
     loss_mask: torch.Tensor  # [T] uint8
     hidden: torch.Tensor  # [T, H] storage dtype
     layers: torch.Tensor | None = None  # [T, 3H] storage dtype, the inputs of the store's feature_layers
+    argmax: torch.Tensor | None = None  # [T] int32, the target's top token after each position (with layers)
 
 
 def write_shard(path: Path, items: list[Conversation], stats: dict[str, Any], vocab_size: int, hidden_size: int,
@@ -66,10 +67,11 @@ def write_shard(path: Path, items: list[Conversation], stats: dict[str, Any], vo
         "offsets": torch.cumsum(lengths, 0),
         "token_counts": counts,
     }
-    if items and items[0].layers is not None:
-        tensors["layers"] = torch.cat([c.layers for c in items]).to(dtype).contiguous()
-    elif not items and layered:
-        tensors["layers"] = torch.zeros(0, 3 * hidden_size, dtype=dtype)
+    if layered:
+        tensors["layers"] = torch.cat([c.layers for c in items]).to(dtype).contiguous() if items else torch.zeros(
+            0, 3 * hidden_size, dtype=dtype)
+        tensors["argmax"] = torch.cat([c.argmax for c in items]).contiguous() if items else torch.zeros(
+            0, dtype=torch.int32)
     meta = {"stats": json.dumps(stats)}
     atomic_write(path, lambda p: save_file(tensors, str(p), metadata=meta))
 
@@ -164,6 +166,7 @@ class FeatureStore:
             loss_mask=handle.get_slice("loss_mask")[start:end],
             hidden=handle.get_slice("hidden")[start:end],
             layers=handle.get_slice("layers")[start:end] if self.feature_layers else None,
+            argmax=handle.get_slice("argmax")[start:end].long() if "argmax" in handle.keys() else None,
         )
 
     def items(self, indices: list[int]) -> list[Conversation]:
