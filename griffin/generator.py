@@ -29,7 +29,7 @@ from .draft import DraftModel
 from .draft_lm import DraftLM, DraftLMDrafter, load_draft_lm
 from .drafters import HeadDrafter, NoDraft, PromptLookup
 from .family import check_target
-from .hub import resolve
+from .hub import hub_id, resolve
 from .kv_cache import BufferCache
 from .sampling import SamplingConfig, sample_token
 from .target import EMBEDDED_TARGET, load_target, resolve_dtype, resolve_target_path
@@ -230,8 +230,8 @@ class SpecGenerator:
         vocab, draft_path = None, None
         if isinstance(draft_model, PreTrainedModel):
             lm = draft_model.to(device=device, dtype=dtype).eval()
-            source = Path(lm.config._name_or_path or "")
-            if not (source / "tokenizer_config.json").is_file():
+            source = lm.config._name_or_path or ""
+            if not (Path(source) / "tokenizer_config.json").is_file() and hub_id(source) is None:
                 raise ValueError("the draft model was not loaded from a folder with its tokenizer, which the "
                                  "compatibility check needs: save it with its tokenizer and pass the folder")
             draft_tokenizer = AutoTokenizer.from_pretrained(source)

@@ -1,21 +1,28 @@
-"""Models by Hugging Face Hub id (griffin.hub), against a Hub cache built here: no network is used.
+"""Models by Hugging Face Hub id (griffin.hub), against a Hub cache built here and a Hub server on this machine: no
+network is used.
 
 The cache is written in the layout huggingface_hub writes (``models--org--name/refs/<ref>`` holding a commit,
-``snapshots/<commit>/<file>`` links into ``blobs/``) and checked with huggingface_hub's own cache scanner.
+``snapshots/<commit>/<file>`` links into ``blobs/``) and checked with huggingface_hub's own cache scanner. The server
+answers the few routes ``snapshot_download`` calls (revision, file tree, file) from local folders.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import shutil
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import huggingface_hub
 import pytest
 import torch
 from huggingface_hub import constants
+from safetensors.torch import save_file
 
 from griffin import DraftModel, SpecGenerator, load_target
 from griffin.draft_lm import load_draft_lm
@@ -111,6 +118,12 @@ def test_target_and_head_by_id_offline_generate_exactly_like_generate(offline, t
         assert torch.equal(ours.sequences, ref), prompt
 
 
+def test_a_target_loaded_by_id_finds_its_tokenizer_in_the_cache(offline):
+    model, tokenizer = load_target(TARGET, dtype="fp32", device="cpu")
+    gen = SpecGenerator.from_pretrained(model, draft=HEAD, total_tokens=4)
+    assert gen.tokenizer.get_vocab() == tokenizer.get_vocab()
+
+
 def test_draft_lm_by_id_offline_generates_exactly_like_generate(offline, tiny_target_dir):
     gen = SpecGenerator.from_pretrained(TARGET, draft_model=STUDENT, gamma=3, dtype="fp32", device="cpu")
     model, tokenizer, vocab = load_draft_lm(STUDENT)
@@ -119,6 +132,15 @@ def test_draft_lm_by_id_offline_generates_exactly_like_generate(offline, tiny_ta
     ids = gen.encode([{"role": "user", "content": "List three prime numbers."}])
     ref = reference.generate(ids[None], max_new_tokens=24, do_sample=False)
     assert torch.equal(gen.generate(ids, max_new_tokens=24).sequences, ref)
+
+
+def test_a_loaded_draft_lm_named_by_its_hub_id_finds_its_tokenizer_in_the_cache(offline):
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(resolve(STUDENT, kind="draft LM"))
+    lm.config._name_or_path = STUDENT  # as from_pretrained(STUDENT) records it
+    gen = SpecGenerator.from_pretrained(TARGET, draft_model=lm, gamma=2, dtype="fp32", device="cpu")
+    assert gen.draft.model is lm
 
 
 def test_official_heads_by_id_load_as_from_their_folders(offline):
@@ -190,7 +212,8 @@ COMMANDS = [("inference.demo", ["--target", MISSING]), ("inference.demo", ["--dr
             ("inference.speed", ["--target", MISSING]), ("inference.tau", ["--heads", MISSING]),
             ("training.build_features", ["--target", MISSING, "--out", "{tmp}/features"]),
             ("training.distill", ["--target", MISSING, "--out", "{tmp}/distill"]),
-            ("training.export", [MISSING, "{tmp}/export"]), ("training.evaluate", [MISSING, "--features", "{tmp}/features"])]
+            ("training.export", [MISSING, "{tmp}/export"]),
+            ("training.evaluate", [MISSING, "--features", "{tmp}/features"])]
 
 
 @pytest.mark.parametrize("module,args", COMMANDS)
@@ -219,3 +242,117 @@ def test_demo_command_with_hub_ids_offline(hub_cache):
                      "--max-new-tokens", "12", "--total-tokens", "6", "--device", "cpu", env=env, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "output identical to transformers' generate" in run.stdout, run.stdout
+
+
+class LocalHub:
+    """A Hub server over local folders: ``repos`` {id: folder} at revision ``main`` (commit: sha1 of the id);
+    ``gated`` ids answer 403 GatedRepo, unknown ids 401 RepoNotFound, unknown revisions 404 RevisionNotFound."""
+
+    ROUTE = re.compile(r"/api/models/(?P<repo>[^/]+/[^/]+)/(?P<kind>revision|tree)/(?P<rev>[^/?]+)|"
+                       r"/(?P<frepo>[^/]+/[^/]+)/resolve/(?P<frev>[^/]+)/(?P<file>[^?]+)")
+
+    def __init__(self, repos: dict[str, Path], gated: frozenset[str] = frozenset()):
+        self.repos, self.gated, self.fetched = repos, gated, []
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_HEAD(self):
+                self.send(*hub.answer(self.path, self.command == "GET"), body=False)
+
+            def do_GET(self):
+                self.send(*hub.answer(self.path, self.command == "GET"))
+
+            def send(self, code: int, data: bytes, headers: dict, body: bool = True):
+                self.send_response(code)
+                for key, value in {**headers, "Content-Length": str(len(data))}.items():
+                    self.send_header(key, value)
+                self.end_headers()
+                if body:
+                    self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def answer(self, path: str, get: bool) -> tuple[int, bytes, dict]:
+        match = self.ROUTE.match(path)
+        if not match:
+            return 404, b"", {}
+        repo, rev = match["repo"] or match["frepo"], match["rev"] or match["frev"]
+        commit = hashlib.sha1(repo.encode()).hexdigest()
+        if repo not in self.repos:
+            return 401, b"", {"X-Error-Code": "RepoNotFound"}
+        if repo in self.gated:
+            return 403, b"", {"X-Error-Code": "GatedRepo"}
+        if rev not in ("main", commit):
+            return 404, b"", {"X-Error-Code": "RevisionNotFound"}
+        folder = self.repos[repo]
+        if match["kind"] == "revision":
+            return 200, json.dumps({"id": repo, "sha": commit}).encode(), {"Content-Type": "application/json"}
+        if match["kind"] == "tree":
+            files = [{"type": "file", "path": p.relative_to(folder).as_posix(), "size": p.stat().st_size,
+                      "oid": hashlib.sha1(p.read_bytes()).hexdigest()}
+                     for p in sorted(folder.rglob("*")) if p.is_file()]
+            return 200, json.dumps(files).encode(), {"Content-Type": "application/json"}
+        file = folder / match["file"]
+        if not file.is_file():
+            return 404, b"", {"X-Error-Code": "EntryNotFound"}
+        if get:
+            self.fetched.append(f"{repo}/{match['file']}")
+        data = file.read_bytes()
+        return 200, data, {"X-Repo-Commit": commit, "ETag": f'"{hashlib.sha1(data).hexdigest()}"'}
+
+
+@pytest.fixture
+def local_hub(monkeypatch, tmp_path, tiny_target_dir, head_dir):
+    """The tiny target, its head, a sharded target (and copies of its weights the loaders do not read) and a gated
+    model on a local Hub server, with an empty cache: the Hub's default endpoint points there."""
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text("{}")
+    shards = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    for key, shard in shards.items():
+        save_file({key: torch.zeros(2)}, str(sharded / shard))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": shards}))
+    save_file({"a": torch.zeros(2), "b": torch.zeros(2)}, str(sharded / "consolidated.safetensors"))
+    torch.save({"a": torch.zeros(2)}, sharded / "pytorch_model.bin")
+    hub = LocalHub({TARGET: tiny_target_dir, HEAD: head_dir, "org/sharded": sharded, "org/gated": head_dir},
+                   gated=frozenset({"org/gated"}))
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    yield hub
+    hub.server.shutdown()
+
+
+def test_first_use_fetches_what_the_loaders_read_then_the_cache_serves_offline(local_hub, tiny_target_dir,
+                                                                              monkeypatch):
+    gen = SpecGenerator.from_pretrained(TARGET, draft=HEAD, total_tokens=6, dtype="fp32", device="cpu")
+    assert "tiny-org/tiny-llama/model.safetensors" in local_hub.fetched
+    reference, _ = load_target(tiny_target_dir, dtype="fp32", device="cpu")
+    ids = gen.encode([{"role": "user", "content": "Tell me a fun fact about owls."}])
+    assert torch.equal(gen.generate(ids, max_new_tokens=16).sequences,
+                       reference.generate(ids[None], max_new_tokens=16, do_sample=False))
+    folder = resolve("org/sharded", kind="target")
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model-00001-of-00002.safetensors",
+                                                          "model-00002-of-00002.safetensors",
+                                                          "model.safetensors.index.json"]  # no .bin, no consolidated
+    local_hub.server.shutdown()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert resolve("org/sharded", kind="target") == folder
+    assert DraftModel.from_pretrained(HEAD).config.arch == "griffin"
+
+
+def test_the_hubs_refusals_are_one_line_naming_the_fix(local_hub):
+    with pytest.raises(FileNotFoundError, match=r"^nobody/absent is neither a local folder nor a draft head on the "
+                                                r"Hugging Face Hub \(a private model needs a login: log in with"):
+        DraftModel.from_pretrained("nobody/absent")
+    with pytest.raises(PermissionError, match="^the Hub model org/gated is gated: accept its terms on "
+                                              "https://huggingface.co/org/gated, then log in with `hf auth login`"):
+        load_target("org/gated")
+    with pytest.raises(FileNotFoundError, match="^the Hub model tiny-org/tiny-llama has no revision 'v9'$"):
+        load_target(f"{TARGET}@v9")
