@@ -85,19 +85,18 @@ def _hub_error(err: Exception, name: str, repo: str, revision: str | None, kind:
                cache_dir: str | os.PathLike | None) -> OSError:
     """One line saying what is wrong with a Hub model and how to fix it."""
     at = f" at revision {revision!r}" if revision else ""
+    fetch = f"`hf download {repo}" + (f" --revision {revision}`" if revision else "`")
     login = "log in with `hf auth login` or set HF_TOKEN"
     if isinstance(err, IncompleteSnapshotError):
-        return FileNotFoundError(f"the Hub cache holds an incomplete copy of {repo}{at}: fetch it again with "
-                                 f"`hf download {repo}{' --revision ' + revision if revision else ''}`")
+        return FileNotFoundError(f"the Hub cache holds an incomplete copy of {repo}{at}: fetch it again with {fetch}")
     if isinstance(err, LocalEntryNotFoundError):
         offline = constants.is_offline_mode()
         why = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face Hub cannot be reached"
-        fetch = f"hf download {repo}" + (f" --revision {revision}" if revision else "")
         return FileNotFoundError(f"{name} is not a local folder, and the Hub model {repo}{at} is not in the local Hub "
                                  f"cache ({cache_dir or constants.HF_HUB_CACHE}) while {why}: fetch it where the Hub "
-                                 f"is reachable with `{fetch}`" + (" or unset HF_HUB_OFFLINE" if offline else ""))
+                                 f"is reachable with {fetch}" + (" or unset HF_HUB_OFFLINE" if offline else ""))
     if isinstance(err, GatedRepoError):
-        return PermissionError(f"the Hub model {repo} is gated: accept its terms on https://huggingface.co/{repo}, "
+        return PermissionError(f"the Hub model {repo} is gated: accept its terms on {constants.ENDPOINT}/{repo}, "
                                f"then {login}")
     if isinstance(err, RepositoryNotFoundError):
         return FileNotFoundError(f"{name} is neither a local folder nor a {kind} on the Hugging Face Hub (a private "

@@ -2,6 +2,7 @@
 
     python -m inference.demo                      # the embedded SmolLM2 target with its shipped GRIFFIN head
     python -m inference.demo --draft heads/mine --prompt "Tell me a joke."
+    python -m inference.demo --target meta-llama/Llama-3.1-8B-Instruct --draft org/llama-3.1-8b-head   # Hub ids
     python -m inference.demo --total-tokens 8     # a fixed tree: no tuning
 
 Prints each answer, the acceptance length (tokens per target forward pass), tokens/s of speculative generation and of

@@ -351,8 +351,8 @@ def test_the_hubs_refusals_are_one_line_naming_the_fix(local_hub):
     with pytest.raises(FileNotFoundError, match=r"^nobody/absent is neither a local folder nor a draft head on the "
                                                 r"Hugging Face Hub \(a private model needs a login: log in with"):
         DraftModel.from_pretrained("nobody/absent")
-    with pytest.raises(PermissionError, match="^the Hub model org/gated is gated: accept its terms on "
-                                              "https://huggingface.co/org/gated, then log in with `hf auth login`"):
+    with pytest.raises(PermissionError, match=f"^the Hub model org/gated is gated: accept its terms on "
+                                              f"{local_hub.url}/org/gated, then log in with `hf auth login`"):
         load_target("org/gated")
     with pytest.raises(FileNotFoundError, match="^the Hub model tiny-org/tiny-llama has no revision 'v9'$"):
         load_target(f"{TARGET}@v9")

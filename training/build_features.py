@@ -1,6 +1,7 @@
 """Run the target over chat data and store its last hidden states, token ids and assistant-only loss masks.
 
     python -m training.build_features --out features/smollm2 --max-samples 4000 --max-len 1024
+    python -m training.build_features --target Qwen/Qwen2.5-7B-Instruct --out features/qwen7b   # a Hub id
     python -m training.build_features --out features/smollm2 --max-len 1024 --shards 8:12   # shards 8..11 only
     accelerate launch -m training.build_features --out ...        # many GPUs: shards are split across processes
 

@@ -5,9 +5,10 @@
     python -m training.distill --out students/smol-ada --select adaspec --reference students/smol-fkl
     python -m training.distill --out students/smol-tvdpp --recipe tvdpp        # target responses, then TVD++
     python -m training.distill --target path/to/big-llm --student path/to/small-llm --out students/mine
+    python -m training.distill --target Qwen/Qwen2.5-7B-Instruct --student Qwen/Qwen2.5-0.5B-Instruct --out students/q
     accelerate launch -m training.distill ...                                   # several GPUs (accelerate config)
 
-Student: ``--student`` (any HF causal LM folder with the target's tokenizer, checked first) or, by default, the
+Student: ``--student`` (an HF causal LM folder or Hub id with the target's tokenizer, checked first) or, by default, the
 target's own architecture with its embeddings and first ``--layers`` layers (:func:`griffin.draft_lm.build_student`),
 scoring a reduced output vocabulary of the ``--draft-vocab`` most frequent response tokens of the data.
 
