@@ -59,20 +59,32 @@ def resolve(name_or_path: str | os.PathLike, *, kind: Kind, revision: str | None
     if pinned and revision and pinned != revision:
         raise ValueError(f"{name_or_path} names revision {pinned!r} but revision={revision!r} was passed: pass one")
     revision = pinned or revision
-    try:
+    try:  # the configs first, then the weights of that same commit (folder.name)
+        folder = _snapshot(repo, _LM_FILES if kind != "draft head" else ["config.json"], revision, token, cache_dir)
         if kind == "draft head":
-            return _snapshot(repo, _HEAD_FILES, revision, token, cache_dir)
-        folder = _snapshot(repo, _LM_FILES, revision, token, cache_dir)
+            _check_head(folder, repo)
+            return _snapshot(repo, _HEAD_FILES, folder.name, token, cache_dir)
         index = folder / _SAFETENSORS_INDEX
         weights = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
             "*.safetensors"]
-        folder = _snapshot(repo, weights, folder.name, token, cache_dir)  # folder.name: the commit just resolved
+        folder = _snapshot(repo, weights, folder.name, token, cache_dir)
     except (LocalEntryNotFoundError, HfHubHTTPError) as err:
         raise _hub_error(err, str(name_or_path), repo, revision, kind, cache_dir) from None
     if not any(folder.glob("*.safetensors")):
         raise FileNotFoundError(f"the Hub model {repo} has no safetensors weights, the only kind griffin loads for a "
                                 f"{kind}: convert it (save_pretrained writes safetensors) and pass the folder")
     return folder
+
+
+def _check_head(folder: Path, repo: str) -> None:
+    """Refuse a whole language model named as a draft head before its weights are downloaded (heads have one layer;
+    this package's own record their ``arch``)."""
+    config = folder / "config.json"
+    raw = json.loads(config.read_text()) if config.is_file() else {}
+    layers = raw.get("num_hidden_layers", 1) if isinstance(raw, dict) and "arch" not in raw else 1
+    if isinstance(layers, int) and layers > 1:
+        raise ValueError(f"the Hub model {repo} has {layers} layers: it is a language model, not a draft head (pass it "
+                         "as the target, or as draft_model / --student for a standalone draft LM)")
 
 
 def _snapshot(repo: str, patterns: list[str], revision: str | None, token: str | bool | None,

@@ -347,6 +347,13 @@ def test_first_use_fetches_what_the_loaders_read_then_the_cache_serves_offline(l
     assert DraftModel.from_pretrained(HEAD).config.arch == "griffin"
 
 
+def test_a_language_model_named_as_a_head_is_refused_before_its_weights_download(local_hub):
+    with pytest.raises(ValueError, match=f"^the Hub model {TARGET} has 2 layers: it is a language model, not a draft "
+                                         "head"):
+        SpecGenerator.from_pretrained(TARGET, draft=TARGET)
+    assert local_hub.fetched == [f"{TARGET}/config.json"]
+
+
 def test_the_hubs_refusals_are_one_line_naming_the_fix(local_hub):
     with pytest.raises(FileNotFoundError, match=r"^nobody/absent is neither a local folder nor a draft head on the "
                                                 r"Hugging Face Hub \(a private model needs a login: log in with"):
