@@ -9,22 +9,14 @@ private models). A model that is neither cached nor reachable is one error namin
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-from huggingface_hub import constants, snapshot_download
-from huggingface_hub.errors import (
-    GatedRepoError,
-    HfHubHTTPError,
-    HFValidationError,
-    IncompleteSnapshotError,
-    LocalEntryNotFoundError,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-)
-from huggingface_hub.utils import validate_repo_id
+from huggingface_hub import constants  # light; the download machinery loads on first use (commands parse at once)
 
 Kind = Literal["target", "draft head", "draft LM"]
 
@@ -37,6 +29,9 @@ _SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 def hub_id(name: str | os.PathLike) -> tuple[str, str | None] | None:
     """``org/name`` or ``org/name@revision`` -> (repository id, revision or None); None for anything else."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
     repo, _, revision = str(name).partition("@")
     if repo.count("/") != 1 or "@" in revision or (revision == "" and "@" in str(name)):
         return None
@@ -59,6 +54,8 @@ def resolve(name_or_path: str | os.PathLike, *, kind: Kind, revision: str | None
     if pinned and revision and pinned != revision:
         raise ValueError(f"{name_or_path} names revision {pinned!r} but revision={revision!r} was passed: pass one")
     revision = pinned or revision
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
     try:  # the configs first, then the weights of that same commit (folder.name)
         folder = _snapshot(repo, _LM_FILES if kind != "draft head" else ["config.json"], revision, token, cache_dir)
         if kind == "draft head":
@@ -76,6 +73,22 @@ def resolve(name_or_path: str | os.PathLike, *, kind: Kind, revision: str | None
     return folder
 
 
+def model_argument(kind: Kind) -> Callable[[str], str]:
+    """An argparse type for a command's model flag: with ``HF_HUB_OFFLINE`` set, a Hub id missing from the cache is
+    refused while the arguments are parsed (one line, before torch loads); the name is returned as given."""
+
+    def parse(text: str) -> str:
+        if constants.is_offline_mode() and not Path(text).expanduser().exists() and hub_id(text):
+            try:
+                resolve(text, kind=kind)
+            except ValueError as err:  # argparse would replace a ValueError's message by its own
+                raise argparse.ArgumentTypeError(str(err)) from None
+        return text
+
+    parse.__name__ = kind
+    return parse
+
+
 def _check_head(folder: Path, repo: str) -> None:
     """Refuse a whole language model named as a draft head before its weights are downloaded (heads have one layer;
     this package's own record their ``arch``)."""
@@ -89,6 +102,8 @@ def _check_head(folder: Path, repo: str) -> None:
 
 def _snapshot(repo: str, patterns: list[str], revision: str | None, token: str | bool | None,
               cache_dir: str | os.PathLike | None) -> Path:
+    from huggingface_hub import snapshot_download
+
     return Path(snapshot_download(repo, revision=revision, token=token, cache_dir=cache_dir, allow_patterns=patterns,
                                   local_files_only=constants.is_offline_mode()))
 
@@ -96,6 +111,14 @@ def _snapshot(repo: str, patterns: list[str], revision: str | None, token: str |
 def _hub_error(err: Exception, name: str, repo: str, revision: str | None, kind: Kind,
                cache_dir: str | os.PathLike | None) -> OSError:
     """One line saying what is wrong with a Hub model and how to fix it."""
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        IncompleteSnapshotError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
     at = f" at revision {revision!r}" if revision else ""
     fetch = f"`hf download {repo}" + (f" --revision {revision}`" if revision else "`")
     login = "log in with `hf auth login` or set HF_TOKEN"

@@ -18,6 +18,7 @@ import sys
 import time
 
 from griffin.constants import EMBEDDED_TARGET
+from griffin.hub import model_argument
 from training.cli import add_device_arguments, add_tree_arguments, nonnegative_float, positive_int, run_cli
 
 PROMPTS = [
@@ -30,8 +31,10 @@ PROMPTS = [
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m inference.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=EMBEDDED_TARGET, help="target Hub id, name or folder (default: %(default)s)")
-    p.add_argument("--draft", default=None, help="head Hub id or folder (default: the head shipped for the target)")
+    p.add_argument("--target", default=EMBEDDED_TARGET, type=model_argument("target"),
+                   help="target Hub id, name or folder (default: %(default)s)")
+    p.add_argument("--draft", default=None, type=model_argument("draft head"),
+                   help="head Hub id or folder (default: the head shipped for the target)")
     p.add_argument("--prompt", action="append", help="a user message (repeatable; default: three examples)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0 = greedy")

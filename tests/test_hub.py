@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -221,6 +222,23 @@ def test_commands_name_an_uncached_id_in_one_line(offline, tmp_path, module, arg
     code, err = run_main(module, *[a.format(tmp=tmp_path) for a in args])
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
     assert f"`hf download {MISSING}`" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("module,args", [("inference.demo", ["--target", MISSING]),
+                                         ("training.export", [f"{MISSING}@v1", "{tmp}/export"])])
+def test_commands_refuse_an_uncached_id_offline_before_loading_torch(hub_cache, tmp_path, module, args):
+    env = {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
+    run = run_module(module, *[a.format(tmp=tmp_path) for a in args], env=env,
+                     launcher=[sys.executable, "-X", "importtime", "-m"])
+    lines = run.stderr.splitlines()
+    said = [line for line in lines if not line.startswith("import time:")]
+    assert run.returncode == 2 and len(said) == 1 and said[0].startswith("error: ") and MISSING in said[0], said
+    assert "torch" not in {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
+
+
+def test_a_cached_language_model_named_as_a_head_is_a_usage_error(offline):
+    code, err = run_main("inference.demo", "--draft", TARGET)
+    assert code == 2 and f"argument --draft: the Hub model {TARGET} has 2 layers" in err, err
 
 
 def test_train_init_from_and_reference_take_hub_ids(offline):

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from griffin.hub import model_argument
 from griffin.io import atomic_write, atomic_write_json, atomic_write_text, read_json, weights_digest
 from inference.report import fastest_plain, markdown_table, tree_text
 
@@ -133,7 +134,8 @@ def stage_reports(src: Path) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("src", help="trained head folder (output of training.train) or its Hugging Face Hub id")
+    p.add_argument("src", type=model_argument("draft head"),
+                   help="trained head folder (output of training.train) or its Hugging Face Hub id")
     p.add_argument("dst", help="destination folder, e.g. checkpoints/<target>-<method>")
     p.add_argument("--name", default=None, help="the method's name in the card")
     p.add_argument("--results", nargs="+", default=["benchmarks/results", "benchmarks/results/ablation"],
