@@ -56,18 +56,21 @@ def resolve(name_or_path: str | os.PathLike, *, kind: Kind, revision: str | None
     revision = pinned or revision
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    try:  # the configs first, then the weights of that same commit (folder.name)
+    try:  # the configs first, then the weights of that same commit (folder.name) unless they are there already
         folder = _snapshot(repo, _LM_FILES if kind != "draft head" else ["config.json"], revision, token, cache_dir)
         if kind == "draft head":
             _check_head(folder, repo)
-            return _snapshot(repo, _HEAD_FILES, folder.name, token, cache_dir)
-        index = folder / _SAFETENSORS_INDEX
-        weights = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
-            "*.safetensors"]
-        folder = _snapshot(repo, weights, folder.name, token, cache_dir)
+            weights, present = _HEAD_FILES, any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
+        else:
+            index = folder / _SAFETENSORS_INDEX
+            weights = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
+                "*.safetensors"]
+            present = all(any(folder.glob(w)) for w in weights)
+        if not present:  # (a cached model skips the Hub's file listing, which retries for 20 s when unreachable)
+            folder = _snapshot(repo, weights, folder.name, token, cache_dir)
     except (LocalEntryNotFoundError, HfHubHTTPError) as err:
         raise _hub_error(err, str(name_or_path), repo, revision, kind, cache_dir) from None
-    if not any(folder.glob("*.safetensors")):
+    if kind != "draft head" and not any(folder.glob("*.safetensors")):
         raise FileNotFoundError(f"the Hub model {repo} has no safetensors weights, the only kind griffin loads for a "
                                 f"{kind}: convert it (save_pretrained writes safetensors) and pass the folder")
     return folder

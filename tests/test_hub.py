@@ -42,9 +42,10 @@ def commit_of(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()  # a commit hash is 40 hex digits
 
 
-def put_in_cache(cache: Path, repo: str, folder: Path, ref: str = "main", commit: str | None = None) -> str:
-    """Store ``folder``'s files as revision ``ref`` of model ``repo`` in the Hub cache at ``cache``: -> the commit."""
-    commit = commit or commit_of(f"{repo}@{ref}")
+def put_in_cache(cache: Path, repo: str, folder: Path, ref: str = "main") -> None:
+    """Store ``folder``'s files as revision ``ref`` of model ``repo`` in the Hub cache at ``cache`` (its commit:
+    ``commit_of("repo@ref")``)."""
+    commit = commit_of(f"{repo}@{ref}")
     storage = cache / f"models--{repo.replace('/', '--')}"
     (storage / "refs").mkdir(parents=True, exist_ok=True)
     (storage / "refs" / ref).write_text(commit)
@@ -56,7 +57,6 @@ def put_in_cache(cache: Path, repo: str, folder: Path, ref: str = "main", commit
         link = snapshot / file.relative_to(folder)
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(os.path.relpath(blob, link.parent))
-    return commit
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +203,10 @@ def test_a_cached_model_loads_and_an_uncached_one_fails_when_the_hub_is_unreacha
     """Not offline, but the Hub does not answer (a closed local port): the cache serves what it holds."""
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_cache))
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    start = time.perf_counter()
     assert DraftModel.from_pretrained(HEAD).config.arch == "griffin"
+    assert (resolve(TARGET, kind="target") / "model.safetensors").is_file()
+    assert time.perf_counter() - start < 10  # huggingface_hub retries a file listing for 23 s: none is asked for
     with pytest.raises(FileNotFoundError, match="while the Hugging Face Hub cannot be reached: fetch it where the "
                                                 f"Hub is reachable with `hf download {MISSING} --revision v1`"):
         DraftModel.from_pretrained(f"{MISSING}@v1")
