@@ -66,7 +66,7 @@ def resolve(name_or_path: str | os.PathLike, *, kind: Kind, revision: str | None
             weights = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
                 "*.safetensors"]
             present = all(any(folder.glob(w)) for w in weights)
-        if not present:  # (a cached model skips the Hub's file listing, which retries for 20 s when unreachable)
+        if not present:  # (a cached model skips the Hub's file listing, which retries for about 20 s when unreachable)
             folder = _snapshot(repo, weights, folder.name, token, cache_dir)
     except (LocalEntryNotFoundError, HfHubHTTPError) as err:
         raise _hub_error(err, str(name_or_path), repo, revision, kind, cache_dir) from None
