@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.identity", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=EMBEDDED_TARGET)
-    p.add_argument("--draft", default=None, help="head folder (default: the head shipped for the target)")
+    p.add_argument("--draft", default=None, help="head Hub id or folder (default: the head shipped for the target)")
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="target dtype (default: %(default)s)")
     p.add_argument("--bench", default="mt_bench", choices=["mt_bench", "humaneval", "gsm8k"])
     p.add_argument("--limit", type=int, default=20, help="first turns of the first N questions")
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> dict:
                         "median_margin_ulp": margins[len(margins) // 2] if margins else None,
                         "max_margin_ulp": margins[-1] if margins else None, "divergences": hits}
     tree = {"depth": gen.depth, "top_k": gen.top_k, "total_tokens": gen.total_tokens}
-    draft = gen.draft_path.name if gen.draft_path else "head"
+    draft = Path(args.draft or gen.draft_path or "head").name
     return {"target": args.target, "dtype": args.dtype, "bench": args.bench, "prompts": args.limit,
             "max_new_tokens": args.max_new_tokens, "tree": tree, "draft": draft,
             "methods": rows, "machine": machine_info(), "command": command_line("benchmarks.identity", args.argv)}

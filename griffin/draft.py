@@ -29,6 +29,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from .config import DraftConfig, default_feature_layers
 from .family import logits_transform
+from .hub import resolve
 from .io import atomic_write, load_safetensors, read_json
 from .target import target_fingerprint
 
@@ -313,16 +314,20 @@ class DraftModel(nn.Module):
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         target_config=None,
+        revision: str | None = None,
+        token: str | bool | None = None,
+        cache_dir: str | os.PathLike | None = None,
     ) -> DraftModel:
-        """Load a head saved by :meth:`save_pretrained`, or an official GRIFFIN / EAGLE / EAGLE-3 checkpoint folder
-        (EAGLE-3 heads trained by the official code or SpecForge included).
+        """Load a head saved by :meth:`save_pretrained`, or an official GRIFFIN / EAGLE / EAGLE-3 checkpoint (EAGLE-3
+        heads of the official trainer and SpecForge included), from a folder or a Hugging Face Hub id (``org/name``,
+        fetched at ``revision`` with ``token`` into ``cache_dir``: :mod:`.hub`).
 
         Official checkpoints carry no record of their target; pass ``target_config`` to record it (an EAGLE-3 head
         learns which target layers it reads when attached, if not from it).
         """
         from .official import is_official_config, read_official
 
-        folder = Path(folder)
+        folder = resolve(folder, kind="draft head", revision=revision, token=token, cache_dir=cache_dir)
         config_path = folder / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{folder} is not a draft head folder: config.json is missing")

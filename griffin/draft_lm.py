@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from .chain import ChainVerifier
 from .family import output_logits
+from .hub import resolve
 from .io import atomic_write_json, read_json
 from .kernels import cpu_name
 from .kv_cache import BufferCache, cached_forward
@@ -177,10 +178,13 @@ def load_vocab(folder: str | os.PathLike) -> torch.Tensor | None:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def load_draft_lm(folder: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device | None = None
+def load_draft_lm(folder: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+                  revision: str | None = None, token: str | bool | None = None,
+                  cache_dir: str | os.PathLike | None = None
                   ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.Tensor | None]:
-    """A draft LM folder -> (model in eval mode, its tokenizer, its reduced vocabulary or None)."""
-    folder = Path(folder).expanduser()
+    """A draft LM folder or Hugging Face Hub id (fetched at ``revision``: :mod:`griffin.hub`) -> (model in eval mode,
+    its tokenizer, its reduced vocabulary or None)."""
+    folder = resolve(folder, kind="draft LM", revision=revision, token=token, cache_dir=cache_dir)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} is not a model folder: config.json is missing (pass a folder written by "
                                 "save_pretrained, e.g. by python -m training.distill)")

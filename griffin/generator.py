@@ -29,6 +29,7 @@ from .draft import DraftModel
 from .draft_lm import DraftLM, DraftLMDrafter, load_draft_lm
 from .drafters import HeadDrafter, NoDraft, PromptLookup
 from .family import check_target
+from .hub import hub_id, resolve
 from .kv_cache import BufferCache
 from .sampling import SamplingConfig, sample_token
 from .target import EMBEDDED_TARGET, load_target, resolve_dtype, resolve_target_path
@@ -137,7 +138,9 @@ class SpecGenerator:
                         weight_major_rows: int | None = None, timing: bool = False,
                         compile: str | dict | None = None,
                         draft_model: str | os.PathLike | PreTrainedModel | None = None,
-                        gamma: int | str = "auto", retune: bool = False, lookup: int = 0) -> SpecGenerator:
+                        gamma: int | str = "auto", retune: bool = False, lookup: int = 0,
+                        revision: str | None = None, draft_revision: str | None = None, token: str | bool | None = None,
+                        cache_dir: str | os.PathLike | None = None) -> SpecGenerator:
         """``target``: a name (``smollm2-135m-instruct``), a local HF folder or a loaded model (moved to ``device``
         and cast to ``dtype`` when given; its tokenizer is then found locally from the name it was loaded under, or
         pass ``tokenizer``); ``draft``: a head folder, a :class:`DraftModel`, or None for the head shipped for the
@@ -166,6 +169,12 @@ class SpecGenerator:
         :class:`griffin.drafters.PromptLookup`), which the target verifies in the same pass; 0 (the default) adds
         none. With ``total_tokens="auto"`` the tree is tuned with the chain in it (its cost and what it accepts).
 
+        ``target``, ``draft`` and ``draft_model`` may be Hugging Face Hub ids (``org/name``, or ``org/name@revision``),
+        fetched into the Hub cache on first use and read from it afterwards, also offline (:mod:`griffin.hub`): the
+        target at ``revision``, the head or draft LM at ``draft_revision``, both with ``token`` and ``cache_dir``
+        (default: the Hub's own settings, ``HF_TOKEN``, ``HF_HUB_CACHE``). A local folder of the same spelling wins.
+        A head may be in this package's layout or the official EAGLE / GRIFFIN one.
+
         The output is the target's own: greedy tokens equal ``transformers``' ``generate`` on the same model, dtype
         and device (see :mod:`griffin.family` for what "identical" means in bf16 on GPUs); targets whose family
         verification cannot reproduce are refused with the reason (:func:`griffin.family.check_target`)."""
@@ -175,6 +184,11 @@ class SpecGenerator:
         check_lookup(lookup)
         if lookup and draft_model is not None:
             raise ValueError("lookup adds a chain to a head's tree: it does not combine with draft_model")
+        hub = dict(revision=draft_revision, token=token, cache_dir=cache_dir)  # Hub ids: fetched before the target
+        if draft_model is not None and not isinstance(draft_model, PreTrainedModel):
+            draft_model = resolve(draft_model, kind="draft LM", **hub)
+        elif draft is not None and not isinstance(draft, DraftModel):
+            draft = resolve(draft, kind="draft head", **hub)
         if isinstance(target, PreTrainedModel):
             model = target.eval()
             if device is not None or dtype is not None:  # as for a name: the target runs where and how asked
@@ -182,7 +196,8 @@ class SpecGenerator:
             tokenizer = tokenizer or local_tokenizer(model)
             target_name = model.config._name_or_path
         else:
-            model, loaded_tokenizer = load_target(target, dtype=dtype, device=device)
+            model, loaded_tokenizer = load_target(target, dtype=dtype, device=device, revision=revision, token=token,
+                                                  cache_dir=cache_dir)
             tokenizer = tokenizer or loaded_tokenizer
             target_name = str(target)
         check_target(model)
@@ -216,8 +231,8 @@ class SpecGenerator:
         vocab, draft_path = None, None
         if isinstance(draft_model, PreTrainedModel):
             lm = draft_model.to(device=device, dtype=dtype).eval()
-            source = Path(lm.config._name_or_path or "")
-            if not (source / "tokenizer_config.json").is_file():
+            source = lm.config._name_or_path or ""
+            if not (Path(source) / "tokenizer_config.json").is_file() and hub_id(source) is None:
                 raise ValueError("the draft model was not loaded from a folder with its tokenizer, which the "
                                  "compatibility check needs: save it with its tokenizer and pass the folder")
             draft_tokenizer = AutoTokenizer.from_pretrained(source)
@@ -535,8 +550,7 @@ def local_tokenizer(model: PreTrainedModel) -> PreTrainedTokenizerBase:
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder or name, local_files_only=True)
     except (OSError, ValueError) as err:
-        raise ValueError(f"no tokenizer for {name!r} on this machine ({type(err).__name__}; model hubs are not "
-                         f"contacted): {hint}") from err
+        raise ValueError(f"no tokenizer for {name!r} on this machine ({type(err).__name__}): {hint}") from err
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -570,5 +584,5 @@ def default_head(target_name: str) -> Path:
     name = DEFAULT_HEADS.get(str(target_name))
     if name and (CHECKPOINTS / name / "config.json").is_file():
         return CHECKPOINTS / name
-    raise ValueError(f"no draft head ships for target {str(target_name)!r}: pass draft=<head folder> (train one with "
-                     "python -m training.build_features and python -m training.train)")
+    raise ValueError(f"no draft head ships for target {str(target_name)!r}: pass draft=<head folder or Hub id> (train "
+                     "one with python -m training.build_features and python -m training.train)")

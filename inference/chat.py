@@ -18,13 +18,16 @@ from pathlib import Path
 
 from griffin.cli import add_device_arguments, add_tree_arguments, nonnegative_float, positive_int, probability, run_cli
 from griffin.constants import EMBEDDED_TARGET
+from griffin.hub import model_argument
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m inference.chat", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=EMBEDDED_TARGET, help="target name or local HF folder (default: %(default)s)")
-    p.add_argument("--draft", default=None, help="head folder (default: the head shipped for the target)")
+    p.add_argument("--target", default=EMBEDDED_TARGET, type=model_argument("target"),
+                   help="target Hub id, name or folder (default: %(default)s)")
+    p.add_argument("--draft", default=None, type=model_argument("draft head"),
+                   help="head Hub id or folder (default: the head shipped for the target)")
     p.add_argument("--max-new-tokens", type=positive_int, default=512)
     p.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=probability, default=1.0)

@@ -2,6 +2,7 @@
 
     python -m inference.demo                      # the embedded SmolLM2 target with its shipped GRIFFIN head
     python -m inference.demo --draft heads/mine --prompt "Tell me a joke."
+    python -m inference.demo --target meta-llama/Llama-3.1-8B-Instruct --draft org/llama-3.1-8b-head   # Hub ids
     python -m inference.demo --total-tokens 8     # a fixed tree: no tuning
 
 Prints each answer, the acceptance length (tokens per target forward pass), tokens/s of speculative generation and of
@@ -18,6 +19,7 @@ import time
 
 from griffin.cli import add_device_arguments, add_tree_arguments, nonnegative_float, positive_int, run_cli
 from griffin.constants import EMBEDDED_TARGET
+from griffin.hub import model_argument
 
 PROMPTS = [
     "Write a short poem about the sea.",
@@ -29,8 +31,10 @@ PROMPTS = [
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m inference.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=EMBEDDED_TARGET, help="target name or local HF folder (default: %(default)s)")
-    p.add_argument("--draft", default=None, help="head folder (default: the head shipped for the target)")
+    p.add_argument("--target", default=EMBEDDED_TARGET, type=model_argument("target"),
+                   help="target Hub id, name or folder (default: %(default)s)")
+    p.add_argument("--draft", default=None, type=model_argument("draft head"),
+                   help="head Hub id or folder (default: the head shipped for the target)")
     p.add_argument("--prompt", action="append", help="a user message (repeatable; default: three examples)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0 = greedy")

@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bench", default="mt_bench", choices=[*BENCHES, *EXTRA_BENCHES, "all"],
                    help="a question set, or all (the three headline sets)")
     p.add_argument("--target", default=EMBEDDED_TARGET)
-    p.add_argument("--draft", default=None, help="head folder (default: the head shipped for the target)")
+    p.add_argument("--draft", default=None, help="head Hub id or folder (default: the head shipped for the target)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--temperature", type=nonnegative_float, default=0.0)
     p.add_argument("--limit", type=positive_int, default=None, help="only the first n questions")
@@ -314,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     kwargs.update(total_tokens=args.total_tokens, retune=args.retune, lookup=args.lookup)
     gen = SpecGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer, draft_dtype=args.draft_dtype,
                                         **kwargs)
-    tag = args.tag or Path(gen.draft_path or "head").name + (f"-lookup{args.lookup}" if args.lookup else "")
+    tag = args.tag or (Path(args.draft or gen.draft_path or "head").name
+                       + (f"-lookup{args.lookup}" if args.lookup else ""))
     runner = Runner(gen, args)
     warm = torch.tensor(prompt_ids(tokenizer, [{"role": "user", "content": "Hello! Who are you?"}]))
     for method in args.methods:

@@ -72,7 +72,7 @@ FORMAT = 1  # version of the continuation file layout
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m inference.tau", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--heads", nargs="*", default=[], help="head folders (none: only build the continuations)")
+    p.add_argument("--heads", nargs="*", default=[], help="head folders or Hub ids (none: only build continuations)")
     p.add_argument("--bench", default="mt_bench",
                    help=f"{', '.join(BENCHES + EXTRA_BENCHES)}, or a prompt file (.jsonl with 'turns' or 'prompt', "
                         ".txt)")
@@ -126,6 +126,7 @@ from griffin.chat_template import prompt_ids
 from griffin.drafters import HeadDrafter
 from griffin.family import verification_mask
 from griffin.generator import default_head, fast_draft_dtype
+from griffin.hub import resolve
 from griffin.io import atomic_write_text, read_journal, weights_digest
 from griffin.kernels import WeightMajorLinears, choose_kernels
 from griffin.kv_cache import BufferCache, cached_forward
@@ -749,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
     bench, questions = load_bench(args.bench)  # bad input fails before any model is loaded
     categories = {q["question_id"]: q.get("category") for q in questions}
     for path in args.heads:
-        if not (Path(path) / "config.json").is_file():
+        if not (resolve(path, kind="draft head") / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a draft head folder: config.json is missing")
     runs = runs_from_references(args)
     if args.references and len(args.heads) != 1:

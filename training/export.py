@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from griffin.cli import run_cli
+from griffin.hub import model_argument
 from griffin.io import atomic_write, atomic_write_json, atomic_write_text, read_json, weights_digest
 from griffin.report import fastest_plain, markdown_table, tree_text
 
@@ -153,7 +154,8 @@ def stage_reports(src: Path) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("src", help="trained head folder (output of training.train)")
+    p.add_argument("src", type=model_argument("draft head"),
+                   help="trained head folder (output of training.train) or its Hugging Face Hub id")
     p.add_argument("dst", help="destination folder, e.g. checkpoints/<target>-<method>")
     p.add_argument("--name", default=None, help="the method's name in the card")
     p.add_argument("--results", nargs="+", default=["benchmarks/results", "benchmarks/results/ablation"],
@@ -167,12 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16", "fp32"], help="dtype of the written weights")
     args = p.parse_args(argv)
     from griffin.draft import DraftModel
+    from griffin.hub import resolve
     from griffin.official import save_eagle3, save_official
     from griffin.target import load_target_head, resolve_dtype
 
     from .train import VALIDATION
 
-    src, dst = Path(args.src), Path(args.dst)
+    src, dst = resolve(args.src, kind="draft head"), Path(args.dst)
     head = DraftModel.from_pretrained(src)
     report = read_json(src / VALIDATION, "validation report")
     stages = json.loads((src / STAGES).read_text()) if (src / STAGES).is_file() else stage_reports(src)

@@ -30,6 +30,7 @@ from pathlib import Path
 from griffin.chat_template import render, set_chat_template
 from griffin.cli import run_cli
 from griffin.constants import EMBEDDED_TARGET
+from griffin.hub import model_argument
 from griffin.io import atomic_write, atomic_write_text
 
 from .data import DEFAULT_DATA, BadConversation, DataError, iter_records, to_messages
@@ -52,7 +53,7 @@ def part_cost_file(out: Path, part: int) -> Path:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m training.regenerate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=EMBEDDED_TARGET)
+    p.add_argument("--target", default=EMBEDDED_TARGET, type=model_argument("target"))
     p.add_argument("--data", default=DEFAULT_DATA, help="source conversations (ShareGPT format)")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--max-samples", type=int, default=None, help="use the first N source records")
@@ -69,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", default="generate", choices=["generate", "speculative"])
     p.add_argument("--cache", default="dynamic", choices=["dynamic", "static"],
                    help="KV cache of transformers generate (--engine generate)")
-    p.add_argument("--draft", default=None, help="head of --engine speculative (default: the shipped one)")
+    p.add_argument("--draft", default=None, type=model_argument("draft head"),
+                   help="head of --engine speculative (default: the shipped one)")
     args = p.parse_args(argv)
     try:
         start, end = (args.parts or "0:").split(":")

