@@ -3,13 +3,15 @@ and target folders, device strings, cut JSONL lines and output folders that hold
 
 from __future__ import annotations
 
+import json
+import logging
 import sys
 import threading
 
 import pytest
 import torch
 
-from griffin import SpecGenerator
+from griffin import SpecGenerator, autotune, kernels
 from tests.conftest import tiny_model
 from tests.test_generation import NoTokenizer, untrained_head
 
@@ -73,3 +75,72 @@ def test_two_threads_on_one_generator_take_turns_and_get_their_own_outputs():
     for i in (0, 1):
         assert results[i] == [alone[i], streamed[i]] * 6
     assert not gen._busy
+
+
+# --- cache records that parse but are wrong: warned about (naming the file and the field) and rebuilt ---------------
+
+
+@pytest.fixture
+def kernel_record(tmp_path, monkeypatch):
+    """A tiny model whose kernels were measured once into a fresh cache -> (model, the record's path)."""
+    monkeypatch.setenv("GRIFFIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "MEASURE_MIN_BYTES", 0)
+    monkeypatch.setattr(kernels, "BUDGET_S", 0.0)
+    monkeypatch.setattr(kernels, "_CHOICES", {})
+    model = tiny_model("llama")
+    kernels.choose_kernels(model)
+    [path] = (tmp_path / "kernels").glob("*.json")
+    monkeypatch.setattr(kernels, "_CHOICES", {})  # a new process: the file answers
+    return model, path
+
+
+@pytest.mark.parametrize("field, value", [("one_row", "turbo"), ("rows_kernel", "warp"), ("rows_kernel", [1, 2]),
+                                          ("rows_kernel", ["weight-major", "turbo"]), ("max_rows", -1),
+                                          ("max_rows", "8"), ("max_rows", 1000), ("one_row", None)])
+def test_a_kernel_record_with_a_wrong_field_is_named_and_measured_again(kernel_record, field, value, caplog):
+    model, path = kernel_record
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps(record | {field: value}))
+    with caplog.at_level(logging.WARNING, logger="griffin.io"):
+        choice = kernels.choose_kernels(model)
+    assert choice.source == "measured"
+    assert str(path) in caplog.text and field in caplog.text and "measuring the kernels again" in caplog.text
+    assert kernels.cached_choice(json.loads(path.read_text())).one_row == choice.one_row  # rewritten, valid
+
+
+def test_a_kernel_record_without_a_field_or_not_an_object_is_measured_again(kernel_record, caplog):
+    model, path = kernel_record
+    for text in (json.dumps({"one_row": "pad"}), "[1, 2]"):
+        path.write_text(text)
+        kernels._CHOICES.clear()
+        with caplog.at_level(logging.WARNING, logger="griffin.io"):
+            assert kernels.choose_kernels(model).source == "measured"
+        assert str(path) in caplog.text
+    assert "no 'max_rows' field" in caplog.text or "no 'rows_kernel' field" in caplog.text
+
+
+@pytest.fixture
+def tree_record(tmp_path, monkeypatch):
+    """A generator on a tiny target and the path of its tuning record in a fresh cache; tuning is replaced by a fixed
+    choice (what it measures is tested in test_inference.py)."""
+    monkeypatch.setenv("GRIFFIN_CACHE", str(tmp_path))
+    target = tiny_model("llama", vocab_size=96, seed=3)
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=3, top_k=3, total_tokens=4)
+    monkeypatch.setattr(autotune, "tune", lambda gen, budget_s, temperature: {
+        "depth": 4, "top_k": 5, "total_tokens": 12, "temperature": temperature, "reason": "fixed", "tuning_s": 0.0})
+    return gen, autotune._record_path(gen, 0.0)
+
+
+@pytest.mark.parametrize("field, value", [("depth", 0), ("depth", autotune.MAX_DEPTH + 1), ("depth", 2.5),
+                                          ("depth", True), ("total_tokens", -1), ("total_tokens", 2.5),
+                                          ("total_tokens", "12"), ("total_tokens", None), ("top_k", 0),
+                                          ("top_k", -3)])
+def test_a_tuning_record_with_a_wrong_field_is_named_and_tuned_again(tree_record, field, value, caplog):
+    gen, path = tree_record
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"depth": 3, "top_k": 8, "total_tokens": 6} | {field: value}))
+    with caplog.at_level(logging.WARNING, logger="griffin.io"):
+        assert autotune.autotune(gen) == (4, 5, 12)
+    assert str(path) in caplog.text and field in caplog.text and "tuning again" in caplog.text
+    assert json.loads(path.read_text())["total_tokens"] == 12  # rewritten
+    assert autotune.tuning_record(gen, 0.0)["depth"] == 4
