@@ -77,30 +77,68 @@ def _embedded_gguf_folder() -> Path:
 
 
 def embedded_target_path() -> Path:
-    """The safetensors folder of the embedded target, converted from its GGUF on first use (safe under concurrency)."""
+    """The safetensors folder of the embedded target, converted from its GGUF on first use (safe under concurrency;
+    a folder left incomplete, or a conversion's temporary folder left by a killed process, is replaced)."""
     final = cache_dir() / "targets" / EMBEDDED_TARGET
-    if (final / "config.json").is_file():
+    if _complete(final):
         return final
     gguf_folder = _embedded_gguf_folder()
-    with file_lock(final.parent / f".{EMBEDDED_TARGET}.lock"):
-        if (final / "config.json").is_file():  # another process finished while we waited
-            return final
-        log.info("converting the embedded target from GGUF into %s (once)", final)
-        model = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=_EMBEDDED_GGUF, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=_EMBEDDED_GGUF)
-        # The dequantised weights are plain tensors now; without this, save_pretrained writes a GGUF quantizer entry.
-        model.config.quantization_config = None
-        model.hf_quantizer = None
-        _fix_embedded_tokens(model, tokenizer)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_TARGET}-", dir=final.parent))
-        try:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            os.replace(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    try:
+        with file_lock(final.parent / f".{EMBEDDED_TARGET}.lock"):
+            if _complete(final):  # another process finished while we waited
+                return final
+            _clear_leftovers(final)
+            _convert_embedded(gguf_folder, final)
+    except OSError as err:
+        raise ValueError(f"cannot convert the embedded target into {final} ({err.strerror or err}): set GRIFFIN_CACHE "
+                         "to a writable folder") from None
     return final
+
+
+CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json")  # what a finished conversion holds
+
+
+def _complete(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in CONVERTED_FILES)
+
+
+def _clear_leftovers(final: Path) -> None:
+    """Remove an incomplete converted folder and the temporary folders of killed conversions (under the lock)."""
+    for stale in [*final.parent.glob(f".{EMBEDDED_TARGET}-*"), final]:
+        if stale.exists():
+            log.warning("removing %s, left incomplete by an interrupted conversion: converting again", stale)
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            else:
+                stale.unlink()
+
+
+def _convert_embedded(gguf_folder: Path, final: Path) -> None:
+    log.info("converting the embedded target from GGUF into %s (once)", final)
+    model = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=_EMBEDDED_GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=_EMBEDDED_GGUF)
+    # The dequantised weights are plain tensors now; without this, save_pretrained writes a GGUF quantizer entry.
+    model.config.quantization_config = None
+    model.hf_quantizer = None
+    _fix_embedded_tokens(model, tokenizer)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_TARGET}-", dir=final.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        readable_by_all(tmp)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def readable_by_all(folder: Path) -> None:
+    """Give a folder made by mkdtemp (0700) and its files the permissions the umask gives new ones (usually 0755 and
+    0644), as for any other cache folder."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [folder, *folder.rglob("*")]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _fix_embedded_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:

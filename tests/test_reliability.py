@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from griffin import SpecGenerator, autotune, kernels
+from griffin import SpecGenerator, autotune, kernels, target
+from griffin.constants import EMBEDDED_TARGET
 from tests.conftest import tiny_model
 from tests.test_generation import NoTokenizer, untrained_head
 
@@ -144,3 +148,91 @@ def test_a_tuning_record_with_a_wrong_field_is_named_and_tuned_again(tree_record
     assert str(path) in caplog.text and field in caplog.text and "tuning again" in caplog.text
     assert json.loads(path.read_text())["total_tokens"] == 12  # rewritten
     assert autotune.tuning_record(gen, 0.0)["depth"] == 4
+
+
+# --- an unusable cache or converted target folder --------------------------------------------------------------------
+
+
+@pytest.fixture
+def quick_conversion(monkeypatch, tmp_path, smol_tokenizer):
+    """The embedded target's conversion into a fresh GRIFFIN_CACHE, from a tiny model instead of the GGUF (seconds)
+    -> the folder it converts into, with ``conversions``: how many were made."""
+    monkeypatch.setenv("GRIFFIN_CACHE", str(tmp_path / "cache"))
+    conversions = []
+
+    def model_from_pretrained(folder, **kwargs):
+        conversions.append(folder)
+        return tiny_model("llama", vocab_size=len(smol_tokenizer), hidden=32)
+
+    monkeypatch.setattr(target, "AutoModelForCausalLM", SimpleNamespace(from_pretrained=model_from_pretrained))
+    monkeypatch.setattr(target, "AutoTokenizer", SimpleNamespace(from_pretrained=lambda *a, **k: smol_tokenizer))
+    return SimpleNamespace(folder=tmp_path / "cache" / "targets" / EMBEDDED_TARGET, conversions=conversions)
+
+
+def test_the_converted_target_is_readable_by_others(quick_conversion):
+    folder = quick_conversion.folder
+    umask = os.umask(0o022)
+    try:
+        assert target.embedded_target_path() == folder
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(f.stat().st_mode) for f in folder.iterdir()} == {0o644}
+
+
+@pytest.mark.parametrize("missing", ["model.safetensors", "tokenizer.json", "config.json"])
+def test_a_converted_target_missing_a_file_is_converted_again(quick_conversion, missing, caplog):
+    folder = target.embedded_target_path()
+    (folder / missing).unlink()
+    with caplog.at_level(logging.WARNING, logger="griffin.target"):
+        assert target.embedded_target_path() == folder
+    assert (folder / missing).is_file() and len(quick_conversion.conversions) == 2
+    assert str(folder) in caplog.text and "converting again" in caplog.text
+
+
+def test_an_interrupted_conversion_is_cleaned_up_and_converted_again(quick_conversion):
+    folder = quick_conversion.folder
+    leftover = folder.parent / f".{EMBEDDED_TARGET}-killed"  # what a killed conversion leaves
+    leftover.mkdir(parents=True)
+    (leftover / "model.safetensors").write_bytes(b"half")
+    folder.mkdir()  # a target folder that is not complete: os.replace onto it said "Directory not empty"
+    (folder / "model.safetensors").write_bytes(b"half")
+    assert target.embedded_target_path() == folder
+    assert target.embedded_target_path() == folder and len(quick_conversion.conversions) == 1
+    assert (folder / "model.safetensors").stat().st_size > 1000
+    assert not leftover.exists() and sorted(p.name for p in folder.parent.iterdir()) == [
+        f".{EMBEDDED_TARGET}.lock", EMBEDDED_TARGET]
+
+
+def test_a_cache_that_is_a_file_or_read_only_names_it_and_griffin_cache(quick_conversion, monkeypatch):
+    folder = quick_conversion.folder
+    cache = folder.parent.parent
+    cache.write_text("")  # GRIFFIN_CACHE is a file
+    with pytest.raises(ValueError, match=f"{cache}.*set GRIFFIN_CACHE to a writable folder"):
+        target.embedded_target_path()
+    cache.unlink()
+
+    def read_only(path, wait=True):
+        raise PermissionError(13, "Permission denied", str(path))  # a read-only folder (root may write any folder)
+
+    monkeypatch.setattr(target, "file_lock", read_only)
+    with pytest.raises(ValueError, match=f"{folder} \\(Permission denied\\): set GRIFFIN_CACHE"):
+        target.embedded_target_path()
+
+
+def test_choices_that_cannot_be_cached_hold_in_memory(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("GRIFFIN_CACHE", str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(kernels, "MEASURE_MIN_BYTES", 0)
+    monkeypatch.setattr(kernels, "BUDGET_S", 0.0)
+    monkeypatch.setattr(kernels, "_CHOICES", {})
+    model = tiny_model("llama")
+    with caplog.at_level(logging.WARNING, logger="griffin.io"):
+        choice = kernels.choose_kernels(model)
+        assert choice.source == "measured" and kernels.choose_kernels(model) is choice  # held for this process
+        gen = SpecGenerator(model, NoTokenizer(), untrained_head(model), total_tokens=4)
+        monkeypatch.setattr(autotune, "tune", lambda gen, budget_s, temperature: {
+            "depth": 2, "top_k": 4, "total_tokens": 3, "reason": "fixed", "tuning_s": 0.0})
+        assert autotune.autotune(gen) == (2, 4, 3)
+    assert caplog.text.count("holds for this process only; set GRIFFIN_CACHE to a writable folder") == 2
+    assert str(tmp_path / "a-file" / "kernels") in caplog.text
