@@ -31,7 +31,7 @@ from .drafters import HeadDrafter, NoDraft, PromptLookup
 from .family import check_target
 from .kv_cache import BufferCache
 from .sampling import SamplingConfig, sample_token
-from .target import EMBEDDED_TARGET, load_target, resolve_dtype, resolve_target_path
+from .target import EMBEDDED_TARGET, load_target, resolve_device, resolve_dtype, resolve_target_path
 from .tree import Tree
 from .turns import one_thread_at_a_time
 from .verify import Verifier, default_verifier
@@ -185,7 +185,7 @@ class SpecGenerator:
         if isinstance(target, PreTrainedModel):
             model = target.eval()
             if device is not None or dtype is not None:  # as for a name: the target runs where and how asked
-                model.to(device=device, dtype=resolve_dtype(dtype))
+                model.to(device=None if device is None else resolve_device(device), dtype=resolve_dtype(dtype))
             tokenizer = tokenizer or local_tokenizer(model)
             target_name = model.config._name_or_path
         else:

@@ -152,6 +152,30 @@ def _fix_embedded_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
         cfg.pad_token_id = eos_id
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``device`` checked against this machine (None: cuda if available, else cpu); ValueError saying what is
+    available for an unknown device string or one this torch build or machine lacks."""
+    accelerators = [kind for kind in ("cuda", "xpu", "mps") if getattr(torch, kind, None) is not None
+                    and getattr(torch, kind).is_available()]
+    counts = {kind: getattr(getattr(torch, kind), "device_count", lambda: 1)() for kind in accelerators}
+    if device is None:
+        return torch.device("cuda" if "cuda" in accelerators else "cpu")
+    available = ", ".join(["cpu", *(f"{kind}:{i}" if counts[kind] > 1 else kind for kind in accelerators
+                                    for i in range(counts[kind]))])
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {str(device)!r}: this machine has {available}") from None
+    if parsed.type != "cpu" and parsed.type not in accelerators:
+        lacks = "this torch build has no CUDA" if parsed.type == "cuda" and not torch.backends.cuda.is_built() else (
+            f"no {parsed.type} device is available")
+        raise ValueError(f"device {str(device)!r}: {lacks}; this machine has {available}")
+    if parsed.index is not None and parsed.type != "cpu" and parsed.index >= counts[parsed.type]:
+        raise ValueError(f"device {str(device)!r}: there are {counts[parsed.type]} {parsed.type} devices; this machine "
+                         f"has {available}")
+    return parsed
+
+
 def resolve_target_path(name_or_path: str | os.PathLike) -> Path:
     """Map a target name or folder to a local folder, with an error that says what to pass instead."""
     if str(name_or_path) == EMBEDDED_TARGET:
@@ -178,8 +202,8 @@ def load_target(
     feature building on CUDA; speculative decoding needs custom 4D masks and uses ``"sdpa"`` (``"eager"`` for
     families without sdpa support, such as Gemma-2).
     """
+    device = resolve_device(device)
     path = resolve_target_path(name_or_path)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -191,7 +215,13 @@ def load_target(
         log.info("%s does not support sdpa attention: loading it with eager attention", path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager",
                                                      trust_remote_code=trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as err:  # transformers' "no file named model.safetensors ..."
+        raise ValueError(f"cannot load the target's weights from {path}: {' '.join(str(err).split())}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:  # a folder without tokenizer.json ends in a hint about sentencepiece
+        raise ValueError(f"{path} has no tokenizer that loads (tokenizer.json, or the tokenizer files of its family): "
+                         f"copy the model's tokenizer files into it ({type(err).__name__})") from None
     model.to(device).eval().requires_grad_(False)
     model.config._name_or_path = str(name_or_path)  # recorded by draft heads as the target they were built for
     if tokenizer.pad_token is None:

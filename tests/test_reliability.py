@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import stat
 import sys
 import threading
@@ -16,7 +17,7 @@ import torch
 
 from griffin import SpecGenerator, autotune, kernels, target
 from griffin.constants import EMBEDDED_TARGET
-from tests.conftest import tiny_model
+from tests.conftest import run_main, tiny_model
 from tests.test_generation import NoTokenizer, untrained_head
 
 # replies in scripts whose characters take several tokens of SmolLM2's byte-level BPE; budgets that cut the last
@@ -236,3 +237,37 @@ def test_choices_that_cannot_be_cached_hold_in_memory(tmp_path, monkeypatch, cap
         assert autotune.autotune(gen) == (2, 4, 3)
     assert caplog.text.count("holds for this process only; set GRIFFIN_CACHE to a writable folder") == 2
     assert str(tmp_path / "a-file" / "kernels") in caplog.text
+
+
+# --- device strings this machine cannot run --------------------------------------------------------------------------
+
+
+
+@pytest.mark.parametrize("device", ["tpu", "gpu", "cuda:x", "meta", "cuda", "cuda:7", "mps"])
+def test_a_device_this_machine_lacks_is_a_value_error_saying_what_it_has(device, tiny_target_dir, head_dir):
+    present = {"cuda": torch.cuda.is_available(), "cuda:7": torch.cuda.device_count() > 7,
+               "mps": torch.backends.mps.is_available()}
+    if present.get(device):
+        pytest.skip("this machine has that device")
+    has = "this machine has cpu"
+    with pytest.raises(ValueError, match=has):
+        target.load_target(tiny_target_dir, device=device)
+    with pytest.raises(ValueError, match=has):
+        SpecGenerator.from_pretrained(tiny_target_dir, head_dir, device=device, total_tokens=4)
+    model, tokenizer = target.load_target(tiny_target_dir)
+    with pytest.raises(ValueError, match=has):
+        SpecGenerator.from_pretrained(model, head_dir, tokenizer=tokenizer, device=device, total_tokens=4)
+    for command in ("inference.demo", "inference.chat"):
+        code, err = run_main(command, "--target", str(tiny_target_dir), "--draft", str(head_dir), "--device", device,
+                             "--total-tokens", "4")
+        assert code == 2 and err.startswith("error: ") and has in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("missing, message", [("model.safetensors", "cannot load the target's weights from"),
+                                              ("tokenizer.json", "has no tokenizer that loads")])
+def test_a_target_folder_missing_its_weights_or_tokenizer_names_it(missing, message, tiny_target_dir, tmp_path):
+    folder = tmp_path / "target"
+    shutil.copytree(tiny_target_dir, folder)
+    (folder / missing).unlink()
+    with pytest.raises(ValueError, match=f"{message} {folder}|{folder} {message}"):
+        target.load_target(folder)
