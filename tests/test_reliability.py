@@ -18,6 +18,7 @@ import torch
 from griffin import SpecGenerator, autotune, kernels, target
 from griffin.constants import EMBEDDED_TARGET
 from tests.conftest import run_main, tiny_model
+from tests.test_features import conversations, write_data
 from tests.test_generation import NoTokenizer, untrained_head
 
 # replies in scripts whose characters take several tokens of SmolLM2's byte-level BPE; budgets that cut the last
@@ -271,3 +272,55 @@ def test_a_target_folder_missing_its_weights_or_tokenizer_names_it(missing, mess
     (folder / missing).unlink()
     with pytest.raises(ValueError, match=f"{message} {folder}|{folder} {message}"):
         target.load_target(folder)
+
+
+# --- silent acceptances: cut JSONL lines, an --out holding another command's output, a store of nothing ------------
+
+
+def write_jsonl(path, records: list[dict], cut: tuple[int, ...] = ()) -> str:
+    """``records`` as JSON Lines, the lines numbered in ``cut`` (1-based) cut in the middle."""
+    lines = [json.dumps(r) for r in records]
+    path.write_text("".join((line[: len(line) // 2] if i in cut else line) + "\n"
+                            for i, line in enumerate(lines, start=1)))
+    return str(path)
+
+
+def test_cut_jsonl_lines_are_named_and_too_many_stop_the_build(tmp_path, tiny_target_dir, caplog):
+    data = write_jsonl(tmp_path / "d.jsonl", conversations(6), cut=(2, 5))
+    out = ["--target", str(tiny_target_dir), "--data", data, "--max-len", "160"]
+    with caplog.at_level(logging.WARNING, logger="training.data"):
+        code, err = run_main("training.build_features", *out, "--out", str(tmp_path / "s"))
+    assert code == 0, err
+    assert f"{data}, line 2: not a JSON record" in caplog.text and f"{data}, line 5: not a JSON record" in caplog.text
+    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    assert manifest["num_samples"] == 4 and manifest["skipped"] == {"malformed": 2}
+    code, err = run_main("training.build_features", *out, "--out", str(tmp_path / "t"), "--max-bad-lines", "1")
+    assert code == 2 and f"error: {data}, line 5: 2 lines are not JSON records, more than --max-bad-lines 1" in err
+    assert not (tmp_path / "t" / "manifest.json").exists()
+
+
+def test_an_out_holding_another_commands_output_is_refused_naming_it(tmp_path, tiny_target_dir, head_dir):
+    store = tmp_path / "store"
+    code, err = run_main("training.build_features", "--target", str(tiny_target_dir), "--max-len", "160", "--data",
+                         write_data(tmp_path / "d.json", conversations(3)), "--out", str(store))
+    assert code == 0, err
+    before = sorted(p.name for p in store.iterdir())
+    code, err = run_main("training.train", "--features", str(store), "--out", str(store))
+    assert code == 2 and f"--out {store} holds a feature store" in err and "Traceback" not in err
+    assert sorted(p.name for p in store.iterdir()) == before
+    for folder, what in ((head_dir, "a model or draft head (config.json)"),
+                         (tiny_target_dir, "a model or draft head (config.json)")):
+        before = sorted(p.name for p in folder.iterdir())
+        code, err = run_main("training.build_features", "--target", str(tiny_target_dir), "--out", str(folder))
+        assert code == 2 and f"--out {folder} holds {what}" in err
+        assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_a_build_whose_every_record_was_skipped_leaves_no_complete_looking_store(tmp_path, tiny_target_dir):
+    out = tmp_path / "s"
+    code, err = run_main("training.build_features", "--target", str(tiny_target_dir), "--out", str(out), "--data",
+                         write_data(tmp_path / "d.json", conversations(3)), "--max-len", "8")
+    assert code == 2 and "every record was skipped" in err
+    assert not (out / "manifest.json").exists()
+    code, err = run_main("training.train", "--features", str(out), "--out", str(tmp_path / "head"))
+    assert code == 2 and "did not finish" in err, err

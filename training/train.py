@@ -108,13 +108,15 @@ from griffin.target import file_lock, load_target_head, resolve_dtype, target_fi
 from .losses import make_token_loss
 from .objective import MultiPassObjective, batch_members, make_batch, pass_report, score_store
 from .state import load_state, save_state
-from .store import FeatureStore, StoreError
+from .store import BUILD, MANIFEST, FeatureStore, StoreError
 
 log = logging.getLogger("train")
 INPUT_ERRORS = (StoreError,)  # reported as one line, exit 2
 STATE = "train_state"
 LOCK = ".lock"  # held by the run writing into --out
 VALIDATION = "validation.json"
+FEATURE_STORE_FILES = {name: "a feature store (python -m training.build_features)"
+                       for name in (MANIFEST, BUILD, "shard-*.safetensors")}  # refused in --out
 SPLIT_SEED = 1234  # fixed so that every head trained on a store is validated on the same conversations
 RESUME_SETTINGS = ("arch", "steps", "topk", "epochs", "max_updates", "lr", "warmup", "batch_size", "max_len",
                    "draft_vocab", "init_from", "seed", "grad_clip", "weight_decay", "noise", "w_token",
@@ -384,7 +386,7 @@ def train_stage(args: argparse.Namespace, store: FeatureStore) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = prepare_out(args.out)
+    out = prepare_out(args.out, refuse=FEATURE_STORE_FILES)
     store = FeatureStore(args.features)
     if len(store) == 0:
         raise StoreError(f"{args.features} holds no conversations: rebuild it with more --max-samples")
