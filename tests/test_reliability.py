@@ -18,6 +18,7 @@ import torch
 from griffin import SpecGenerator, autotune, kernels, target
 from griffin.constants import EMBEDDED_TARGET
 from tests.conftest import run_main, tiny_model
+from tests.test_bad_input import scripted_input
 from tests.test_features import conversations, write_data
 from tests.test_generation import NoTokenizer, untrained_head
 
@@ -47,13 +48,17 @@ def test_a_joined_stream_is_the_generated_text_also_when_it_ends_inside_a_charac
     assert any(ord(c) > 0x7F for t in texts for c in t)  # the reply really is in that script
 
 
-def test_two_threads_on_one_generator_take_turns_and_get_their_own_outputs():
+@pytest.mark.parametrize("generators", [1, 2])
+def test_two_threads_on_one_target_take_turns_and_get_their_own_outputs(generators):
+    """Both threads on one generator, or each on its own generator built on the same loaded target."""
     target = tiny_model("llama", vocab_size=96, seed=3)
     # passes of 5 rows: the target's linear layers switch to small-input kernels in each
-    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=3, top_k=3, total_tokens=4)
+    gens = [SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=3, top_k=3, total_tokens=4)
+            for _ in range(generators)]
+    gens *= 3 - generators
     prompts = [torch.tensor([5, 17, 33]), torch.tensor([60, 2, 71, 8, 9])]
-    alone = [gen.generate(p, max_new_tokens=24).sequences.tolist() for p in prompts]
-    streamed = ["".join(gen.stream(p, max_new_tokens=24)) for p in prompts]
+    alone = [gen.generate(p, max_new_tokens=24).sequences.tolist() for gen, p in zip(gens, prompts)]
+    streamed = ["".join(gen.stream(p, max_new_tokens=24)) for gen, p in zip(gens, prompts)]
     results: dict[int, list] = {0: [], 1: []}
     errors: list[BaseException] = []
     start = threading.Barrier(2)
@@ -62,8 +67,8 @@ def test_two_threads_on_one_generator_take_turns_and_get_their_own_outputs():
         try:
             start.wait()
             for _ in range(6):
-                results[i].append(gen.generate(prompts[i], max_new_tokens=24).sequences.tolist())
-                results[i].append("".join(gen.stream(prompts[i], max_new_tokens=24)))
+                results[i].append(gens[i].generate(prompts[i], max_new_tokens=24).sequences.tolist())
+                results[i].append("".join(gens[i].stream(prompts[i], max_new_tokens=24)))
         except BaseException as err:  # noqa: BLE001 - reported by the main thread
             errors.append(err)
 
@@ -80,7 +85,7 @@ def test_two_threads_on_one_generator_take_turns_and_get_their_own_outputs():
     assert not errors, errors
     for i in (0, 1):
         assert results[i] == [alone[i], streamed[i]] * 6
-    assert not gen._busy
+    assert not any(gen._busy for gen in gens)
 
 
 # --- cache records that parse but are wrong: warned about (naming the file and the field) and rebuilt ---------------
@@ -324,3 +329,20 @@ def test_a_build_whose_every_record_was_skipped_leaves_no_complete_looking_store
     assert not (out / "manifest.json").exists()
     code, err = run_main("training.train", "--features", str(out), "--out", str(tmp_path / "head"))
     assert code == 2 and "did not finish" in err, err
+
+
+def test_a_chat_that_cannot_be_saved_says_so_before_it_starts(tmp_path, tiny_target_dir, head_dir, monkeypatch,
+                                                              capsys):
+    from inference import chat
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    args = ["--target", str(tiny_target_dir), "--draft", str(head_dir), "--total-tokens", "4", "--max-new-tokens", "4"]
+    code, err = run_main("inference.chat", *args, "--save", str(a_file / "chats" / "chat.json"))
+    assert code == 2 and f"error: the folder of --save {a_file / 'chats'} is not writable (a parent is a file)" in err
+    monkeypatch.setenv("GRIFFIN_CACHE", str(a_file))  # the default place of saved chats cannot be written
+    scripted_input(monkeypatch, ["Hello there", ""])
+    assert chat.main(args) == 0
+    captured = capsys.readouterr()
+    assert "[not saving this conversation:" in captured.err and "assistant> " in captured.out
+    assert "continue it with" not in captured.out
