@@ -76,16 +76,17 @@ def _embedded_gguf_folder() -> Path:
     return folder
 
 
-def embedded_target_path() -> Path:
+def embedded_target_path(damaged: bool = False) -> Path:
     """The safetensors folder of the embedded target, converted from its GGUF on first use (safe under concurrency;
-    a folder left incomplete, or a conversion's temporary folder left by a killed process, is replaced)."""
+    a folder left incomplete, or a conversion's temporary folder left by a killed process, is replaced).
+    ``damaged``: its files did not load: convert it again."""
     final = cache_dir() / "targets" / EMBEDDED_TARGET
-    if _complete(final):
+    if _complete(final) and not damaged:
         return final
     gguf_folder = _embedded_gguf_folder()
     try:
         with file_lock(final.parent / f".{EMBEDDED_TARGET}.lock"):
-            if _complete(final):  # another process finished while we waited
+            if _complete(final) and not damaged:  # another process finished while we waited
                 return final
             _clear_leftovers(final)
             _convert_embedded(gguf_folder, final)
@@ -106,7 +107,8 @@ def _clear_leftovers(final: Path) -> None:
     """Remove an incomplete converted folder and the temporary folders of killed conversions (under the lock)."""
     for stale in [*final.parent.glob(f".{EMBEDDED_TARGET}-*"), final]:
         if stale.exists():
-            log.warning("removing %s, left incomplete by an interrupted conversion: converting again", stale)
+            log.warning("removing %s (incomplete or damaged, or left by an interrupted conversion): converting again",
+                        stale)
             if stale.is_dir():
                 shutil.rmtree(stale)
             else:
@@ -206,6 +208,27 @@ def load_target(
     path = resolve_target_path(name_or_path)
     dtype = resolve_dtype(dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     try:
+        model, tokenizer = _load_folder(path, dtype, attn_implementation, trust_remote_code)
+    except ValueError as err:
+        if str(name_or_path) != EMBEDDED_TARGET:
+            raise
+        log.warning("%s: converting the embedded target again", " ".join(str(err).split()))
+        path = embedded_target_path(damaged=True)
+        model, tokenizer = _load_folder(path, dtype, attn_implementation, trust_remote_code)
+    model.to(device).eval().requires_grad_(False)
+    model.config._name_or_path = str(name_or_path)  # recorded by draft heads as the target they were built for
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def _load_folder(path: Path, dtype: torch.dtype, attn_implementation: str,
+                 trust_remote_code: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model and tokenizer of a local folder; ValueError naming the folder when its files are missing or
+    damaged."""
+    from safetensors import SafetensorError
+
+    try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
         )
@@ -217,15 +240,13 @@ def load_target(
                                                      trust_remote_code=trust_remote_code)
     except OSError as err:  # transformers' "no file named model.safetensors ..."
         raise ValueError(f"cannot load the target's weights from {path}: {' '.join(str(err).split())}") from None
+    except SafetensorError as err:
+        raise ValueError(f"the weights in {path} are truncated or corrupted ({err})") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:  # a folder without tokenizer.json ends in a hint about sentencepiece
         raise ValueError(f"{path} has no tokenizer that loads (tokenizer.json, or the tokenizer files of its family): "
                          f"copy the model's tokenizer files into it ({type(err).__name__})") from None
-    model.to(device).eval().requires_grad_(False)
-    model.config._name_or_path = str(name_or_path)  # recorded by draft heads as the target they were built for
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
 
 

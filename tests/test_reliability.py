@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from griffin import SpecGenerator, autotune, kernels, target
 from griffin.constants import EMBEDDED_TARGET
@@ -168,11 +169,16 @@ def quick_conversion(monkeypatch, tmp_path, smol_tokenizer):
     conversions = []
 
     def model_from_pretrained(folder, **kwargs):
+        if "gguf_file" not in kwargs:  # loading the converted folder
+            return AutoModelForCausalLM.from_pretrained(folder, **kwargs)
         conversions.append(folder)
         return tiny_model("llama", vocab_size=len(smol_tokenizer), hidden=32)
 
+    def tokenizer_from_pretrained(folder, **kwargs):
+        return smol_tokenizer if "gguf_file" in kwargs else AutoTokenizer.from_pretrained(folder, **kwargs)
+
     monkeypatch.setattr(target, "AutoModelForCausalLM", SimpleNamespace(from_pretrained=model_from_pretrained))
-    monkeypatch.setattr(target, "AutoTokenizer", SimpleNamespace(from_pretrained=lambda *a, **k: smol_tokenizer))
+    monkeypatch.setattr(target, "AutoTokenizer", SimpleNamespace(from_pretrained=tokenizer_from_pretrained))
     return SimpleNamespace(folder=tmp_path / "cache" / "targets" / EMBEDDED_TARGET, conversions=conversions)
 
 
@@ -209,6 +215,20 @@ def test_an_interrupted_conversion_is_cleaned_up_and_converted_again(quick_conve
     assert (folder / "model.safetensors").stat().st_size > 1000
     assert not leftover.exists() and sorted(p.name for p in folder.parent.iterdir()) == [
         f".{EMBEDDED_TARGET}.lock", EMBEDDED_TARGET]
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "weights of garbage", "garbage tokenizer", "garbage config"])
+def test_a_damaged_converted_target_is_converted_again(quick_conversion, damage, caplog):
+    folder = target.embedded_target_path()
+    name, text = {"truncated weights": ("model.safetensors", (folder / "model.safetensors").read_bytes()[:1000]),
+                  "weights of garbage": ("model.safetensors", b"garbage"),
+                  "garbage tokenizer": ("tokenizer.json", b"{"), "garbage config": ("config.json", b"{")}[damage]
+    (folder / name).write_bytes(text)
+    with caplog.at_level(logging.WARNING, logger="griffin.target"):
+        model, tokenizer = target.load_target()
+    assert model.config.hidden_size == 32 and tokenizer("hi")["input_ids"]
+    assert len(quick_conversion.conversions) == 2 and "converting the embedded target again" in caplog.text
+    assert str(folder) in caplog.text
 
 
 def test_a_cache_that_is_a_file_or_read_only_names_it_and_griffin_cache(quick_conversion, monkeypatch):
