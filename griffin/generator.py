@@ -251,6 +251,7 @@ class SpecGenerator:
         self.autotuned, self._band, self._retune, self._retuned = True, None, retune, set()
         self.tune_for(0.0)
 
+    @one_thread_at_a_time  # its measuring generations run the target too
     def tune_for(self, temperature: float) -> None:
         """Use the tree (gamma) tuned for ``temperature``'s band, measuring it first (about 30 s, once per machine)
         if it was never tuned here. A no-op unless :meth:`follow_temperature` is on (``total_tokens="auto"``)."""

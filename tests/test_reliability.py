@@ -333,6 +333,10 @@ def test_an_out_holding_another_commands_output_is_refused_naming_it(tmp_path, t
     code, err = run_main("training.train", "--features", str(store), "--out", str(store))
     assert code == 2 and f"--out {store} holds a feature store" in err and "Traceback" not in err
     assert sorted(p.name for p in store.iterdir()) == before
+    weights = (tiny_target_dir / "model.safetensors").read_bytes()
+    code, err = run_main("training.train", "--features", str(store), "--out", str(tiny_target_dir))
+    assert code == 2 and f"--out {tiny_target_dir} holds a llama model (config.json), not a draft head" in err
+    assert (tiny_target_dir / "model.safetensors").read_bytes() == weights
     for folder, what in ((head_dir, "a model or draft head (config.json)"),
                          (tiny_target_dir, "a model or draft head (config.json)")):
         before = sorted(p.name for p in folder.iterdir())

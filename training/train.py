@@ -102,7 +102,7 @@ from tqdm.auto import tqdm
 
 from griffin.config import DraftConfig
 from griffin.draft import DraftModel
-from griffin.io import atomic_write, atomic_write_json
+from griffin.io import atomic_write, atomic_write_json, read_json
 from griffin.target import file_lock, load_target_head, resolve_dtype, target_fingerprint
 
 from .losses import make_token_loss
@@ -387,6 +387,7 @@ def train_stage(args: argparse.Namespace, store: FeatureStore) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = prepare_out(args.out, refuse=FEATURE_STORE_FILES)
+    check_no_other_model(out)
     store = FeatureStore(args.features)
     if len(store) == 0:
         raise StoreError(f"{args.features} holds no conversations: rebuild it with more --max-samples")
@@ -399,6 +400,18 @@ def main(argv: list[str] | None = None) -> int:
                                  "--out") from None
         train_stages(args, store, out)
     return 0
+
+
+def check_no_other_model(out: Path) -> None:
+    """Refuse an --out holding a model that is not a draft head (a target, a draft LM): training would overwrite its
+    weights."""
+    config = out / "config.json"
+    if config.is_file():
+        record = read_json(config, "model config")
+        model_type = record.get("model_type") if isinstance(record, dict) else None
+        if model_type != DraftConfig.model_type:
+            raise StoreError(f"--out {out} holds a {model_type} model (config.json), not a draft head: pass another "
+                             "folder")
 
 
 def train_stages(args: argparse.Namespace, store: FeatureStore, out: Path) -> None:
