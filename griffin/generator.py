@@ -484,7 +484,7 @@ class SpecGenerator:
                                                          max_length, seed)
         stats = stats if stats is not None else GenerationStats()
         new: list[int] = []
-        printed = 0
+        printed, text = 0, ""
         for chunk in self._steps(ids, budget, sampling, self.eos_ids(eos_token_id), generator, stats):
             new += chunk.tolist()
             text = self.tokenizer.decode(new, skip_special_tokens=True)
@@ -493,8 +493,7 @@ class SpecGenerator:
             if len(text) > printed:
                 yield text[printed:]
                 printed = len(text)
-        text = self.tokenizer.decode(new, skip_special_tokens=True)  # what is still held back: the last character
-        if len(text) > printed:  # was left incomplete by the token budget or the EOS
+        if len(text) > printed:  # held back: the last character, left incomplete by the token budget or the EOS
             yield text[printed:]
 
     def chat(self, messages: list[dict[str, str]], **kwargs) -> GenerationResult:
