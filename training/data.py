@@ -112,14 +112,13 @@ def iter_jsonl_records(path: Path, max_bad_lines: int = MAX_BAD_LINES) -> Iterat
             if line.strip():
                 try:
                     yield json.loads(line)
-                except json.JSONDecodeError as err:
+                except json.JSONDecodeError:
                     bad += 1
                     if bad > max_bad_lines:
                         raise DataError(f"{path}, line {number}: {bad} lines are not JSON records, more than "
                                         f"--max-bad-lines {max_bad_lines} allows: repair the file or raise "
                                         "--max-bad-lines") from None
-                    log.warning("%s, line %d: not a JSON record (%s; cut mid-record?): skipped", path, number,
-                                err.msg)
+                    log.warning("%s, line %d: not a JSON record (cut mid-record?): skipped", path, number)
                     yield None
 
 
