@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator
 import numpy
 import torch
 
-from .io import atomic_write_json, read_json
+from .io import check_integer, read_cached, write_cached
 from .kernels import cpu_name
 from .kv_cache import BufferCache
 from .target import cache_dir, target_fingerprint
@@ -344,10 +344,16 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperatu
 def tuning_record(gen, temperature: float) -> dict | None:
     """This machine's record of the tree tuned for ``gen`` at ``temperature``'s band (its reason and measurements),
     None if there is none."""
-    try:
-        return read_json(_record_path(gen, temperature_band(temperature)), "tuning record")
-    except (OSError, ValueError):
-        return None
+    return read_cached(_record_path(gen, temperature_band(temperature)), "tuning record", checked_choice,
+                       "the next generation at this temperature tunes again")
+
+
+def checked_choice(choice: dict) -> dict:
+    """A tuning record whose tree the generator can use (ValueError naming the field otherwise)."""
+    check_integer(choice, "depth", 1, MAX_DEPTH)
+    check_integer(choice, "top_k", 1)
+    check_integer(choice, "total_tokens", 0, MAX_TOTAL)
+    return choice
 
 
 def _describe(choice: dict) -> str:
@@ -363,19 +369,16 @@ def autotune(gen, retune: bool = False, budget_s: float | None = None,
     at ``temperature`` (tuned once per temperature band, then cached)."""
     temperature = temperature_band(temperature)
     path = _record_path(gen, temperature)
-    if path.is_file() and not retune:
-        try:
-            choice = read_json(path, "tuning record")
-            log.info("draft tree: %s (tuned for this machine on %s; --retune measures again, --total-tokens N fixes "
-                     "it)", _describe(choice), choice.get("tuned_at"))
-            return choice["depth"], choice["top_k"], choice["total_tokens"]
-        except (ValueError, KeyError, TypeError):
-            log.warning("%s is damaged: tuning again", path)
+    choice = None if retune else read_cached(path, "tuning record", checked_choice, "tuning again")
+    if choice is not None:
+        log.info("draft tree: %s (tuned for this machine on %s; --retune measures again, --total-tokens N fixes "
+                 "it)", _describe(choice), choice.get("tuned_at"))
+        return choice["depth"], choice["top_k"], choice["total_tokens"]
     log.info("tuning the draft tree for this machine and head%s (at most %.0f s, once; --total-tokens N skips it)",
              f" at T={temperature}" if temperature else "", budget_s or BUDGET_S)
     choice = tune(gen, budget_s, temperature=temperature)
     choice["tuned_at"] = time.strftime("%Y-%m-%d %H:%M")
-    atomic_write_json(path, choice)
-    log.info("draft tree: %s, chosen in %.0f s: %s (cached in %s)", _describe(choice), choice["tuning_s"],
-             choice["reason"], path)
+    cached_in = f"cached in {path}" if write_cached(path, choice, "tuning record") else "not cached"
+    log.info("draft tree: %s, chosen in %.0f s: %s (%s)", _describe(choice), choice["tuning_s"],
+             choice["reason"], cached_in)
     return choice["depth"], choice["top_k"], choice["total_tokens"]

@@ -92,11 +92,17 @@ def tree_size(text: str) -> str | int:
 # --- output folders ------------------------------------------------------------------------------------------------
 
 
-def prepare_out(path: str | os.PathLike, flag: str = "--out") -> Path:
-    """Create the output folder if needed and make sure it can be written, before any work is done."""
+def prepare_out(path: str | os.PathLike, flag: str = "--out", refuse: dict[str, str] | None = None) -> Path:
+    """Create the output folder if needed and make sure it can be written, before any work is done. ``refuse``: names
+    (glob patterns) of files that another command's output holds -> what that output is; a folder holding one is
+    refused, naming it, instead of getting this command's files beside it."""
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{flag} {out} is a file, not a folder: pass a folder path")
+    for pattern, what in (refuse or {}).items():
+        found = next(out.glob(pattern), None) if out.is_dir() else None
+        if found is not None:
+            raise ValueError(f"{flag} {out} holds {what} ({found.name}): pass another folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):

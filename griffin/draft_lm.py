@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from .chain import ChainVerifier
 from .family import output_logits
 from .hub import resolve
-from .io import atomic_write_json, read_json
+from .io import check_integer, read_cached, write_cached
 from .kernels import cpu_name
 from .kv_cache import BufferCache, cached_forward
 from .sampling import SamplingConfig, greedy, sample, warp
@@ -277,6 +277,11 @@ def measured_alpha(hist: dict[int, int], gamma: int) -> float:
     return accepted / max(accepted + rejected, 1)
 
 
+def _checked_gamma(record: dict) -> dict:
+    check_integer(record, "gamma", 1)
+    return record
+
+
 def tune_gamma(gen, max_gamma: int = MAX_GAMMA, temperature: float = 0.0, retune: bool = False) -> dict:
     """γ with the best expected speedup ``τ(γ)·t(1) / (γ·draft + t(γ+1))`` on this machine for generations at
     ``temperature``: the target's forward-cost curve t(n), the draft's step cost, and α measured on calibration prompts
@@ -287,11 +292,9 @@ def tune_gamma(gen, max_gamma: int = MAX_GAMMA, temperature: float = 0.0, retune
 
     temperature = temperature_band(temperature)
     path = cache_dir() / "autotune" / f"{_tuning_key(gen, temperature)}.json"
-    if path.is_file() and not retune:
-        try:
-            return read_json(path, "tuning record")
-        except ValueError:
-            log.warning("%s is damaged: tuning again", path)
+    cached = None if retune else read_cached(path, "tuning record", _checked_gamma, "tuning again")
+    if cached is not None:
+        return cached
     log.info("tuning the draft LM's chain length for this machine%s (once; cached in %s)",
              f" at T={temperature}" if temperature else "", path)
     costs = forward_cost(gen, list(range(1, max_gamma + 2)))
@@ -318,7 +321,7 @@ def tune_gamma(gen, max_gamma: int = MAX_GAMMA, temperature: float = 0.0, retune
     choice = {"gamma": best["gamma"], "temperature": temperature, "alpha": alpha, "expected_tau": best["tau"],
               "expected_speedup_vs_plain_forward": best["speedup"], "draft_step_s": step,
               "forward_cost_s": costs, "candidates": table}
-    atomic_write_json(path, choice)
+    write_cached(path, choice, "tuning record")
     log.info("draft LM: gamma %d%s (alpha %.2f, expected tau %.2f)", best["gamma"],
              f" at T={temperature}" if temperature else "", alpha, best["tau"])
     return choice

@@ -32,8 +32,9 @@ from .family import check_target
 from .hub import hub_id, resolve
 from .kv_cache import BufferCache
 from .sampling import SamplingConfig, sample_token
-from .target import EMBEDDED_TARGET, load_target, resolve_dtype, resolve_target_path
+from .target import EMBEDDED_TARGET, load_target, resolve_device, resolve_dtype, resolve_target_path
 from .tree import Tree
+from .turns import one_thread_at_a_time
 from .verify import Verifier, default_verifier
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,14 @@ class _Clock:
 
 class SpecGenerator:
     """Speculative generation with a draft head (EAGLE-2 trees) or a standalone draft LM (``draft`` a
-    :class:`griffin.draft_lm.DraftLM`: chains of ``gamma`` tokens, classic speculative sampling)."""
+    :class:`griffin.draft_lm.DraftLM`: chains of ``gamma`` tokens, classic speculative sampling).
+
+    Threads: a generator may be shared by threads, whose generations take turns. :meth:`generate` (and :meth:`chat`)
+    holds the target model for the whole call and :meth:`stream` from its first piece until it is exhausted or
+    closed; a generation of another thread on the same target (through this generator or another one built on the
+    same loaded model) waits meanwhile, and each output is the one it would have been alone. One thread may
+    interleave several streams. To generate in parallel, load a target model (and a generator) per thread.
+    """
 
     def __init__(self, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, draft: DraftModel | DraftLM,
                  depth: int = 5, top_k: int = 8, total_tokens: int = 24, draft_dtype: torch.dtype | None = None,
@@ -192,7 +200,7 @@ class SpecGenerator:
         if isinstance(target, PreTrainedModel):
             model = target.eval()
             if device is not None or dtype is not None:  # as for a name: the target runs where and how asked
-                model.to(device=device, dtype=resolve_dtype(dtype))
+                model.to(device=None if device is None else resolve_device(device), dtype=resolve_dtype(dtype))
             tokenizer = tokenizer or local_tokenizer(model)
             target_name = model.config._name_or_path
         else:
@@ -259,6 +267,7 @@ class SpecGenerator:
         self.autotuned, self._band, self._retune, self._retuned = True, None, retune, set()
         self.tune_for(0.0)
 
+    @one_thread_at_a_time  # its measuring generations run the target too
     def tune_for(self, temperature: float) -> None:
         """Use the tree (gamma) tuned for ``temperature``'s band, measuring it first (about 30 s, once per machine)
         if it was never tuned here. A no-op unless :meth:`follow_temperature` is on (``total_tokens="auto"``)."""
@@ -456,6 +465,7 @@ class SpecGenerator:
         self.tune_for(sampling.temperature)
         return ids, max_new_tokens, sampling, generator
 
+    @one_thread_at_a_time
     def generate(self, inputs, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, eos_token_id: int | Sequence[int] | None = None, max_length: int | None = None,
                  seed: int | None = None, streamer=None, drafter=None) -> GenerationResult:
@@ -480,15 +490,17 @@ class SpecGenerator:
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         return GenerationResult(torch.cat((ids, new.to(ids.device)))[None], stats, text)
 
+    @one_thread_at_a_time
     def stream(self, inputs, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                eos_token_id: int | Sequence[int] | None = None, max_length: int | None = None,
                seed: int | None = None, stats: GenerationStats | None = None) -> Iterator[str]:
-        """Yield text pieces as tokens are accepted (incomplete UTF-8 characters are held back)."""
+        """Yield text pieces as tokens are accepted (incomplete UTF-8 characters are held back until they complete or
+        the generation ends); joined, the pieces are ``generate(...).text`` of the same call."""
         ids, budget, sampling, generator = self._prepare(inputs, max_new_tokens, temperature, top_p, top_k,
                                                          max_length, seed)
         stats = stats if stats is not None else GenerationStats()
         new: list[int] = []
-        printed = 0
+        printed, text = 0, ""
         for chunk in self._steps(ids, budget, sampling, self.eos_ids(eos_token_id), generator, stats):
             new += chunk.tolist()
             text = self.tokenizer.decode(new, skip_special_tokens=True)
@@ -497,6 +509,8 @@ class SpecGenerator:
             if len(text) > printed:
                 yield text[printed:]
                 printed = len(text)
+        if len(text) > printed:  # held back: the last character, left incomplete by the token budget or the EOS
+            yield text[printed:]
 
     def chat(self, messages: list[dict[str, str]], **kwargs) -> GenerationResult:
         """Apply the target's chat template to ``messages`` and generate the assistant's reply (``result.text``)."""

@@ -1,16 +1,21 @@
 """File input and output: atomic writes (a temporary file in the same folder, flushed, then renamed over the
-destination), journals of long runs, safetensors reads, and the digest that names a saved model's weights."""
+destination), journals of long runs, records cached on this machine, safetensors reads, and the digest that names a
+saved model's weights."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+Checked = TypeVar("Checked")
 
 
 @contextmanager
@@ -82,6 +87,53 @@ def read_json(path: str | os.PathLike, what: str = "file") -> Any:
                          f"replace this {what}") from None
     except UnicodeDecodeError:
         raise ValueError(f"{path} is not a text file: fix or replace this {what}") from None
+
+
+def read_cached(path: str | os.PathLike, what: str, check: Callable[[dict], Checked], redo: str) -> Checked | None:
+    """A record cached on this machine (kernel choice, tuned tree), as ``check`` returns it; None when there is none.
+
+    ``check`` raises ValueError (or KeyError / TypeError) naming the field when a record parses but is wrong (a
+    kernel name this build does not offer, a tree of depth 0). Such a record, like one that is not JSON, is warned
+    about, naming the file, and None is returned, so that the caller measures again (``redo``: what it then does)
+    and overwrites it."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict):
+            raise ValueError(f"a JSON {type(record).__name__}, not an object")
+        return check(record)
+    except (ValueError, KeyError, TypeError, OSError) as err:
+        if isinstance(err, (json.JSONDecodeError, UnicodeDecodeError)):
+            detail = "not valid JSON"
+        elif isinstance(err, KeyError):
+            detail = f"no {err.args[0]!r} field"
+        else:
+            detail = err.strerror if isinstance(err, OSError) else str(err)
+        log.warning("%s is damaged (%s: %s): %s", path, what, detail, redo)
+        return None
+
+
+def write_cached(path: str | os.PathLike, record: dict, what: str) -> bool:
+    """Cache ``record`` at ``path``; where the cache cannot be written (read-only, a file where a folder should be)
+    warn, naming it, and go on: the caller's result then holds for this process only. -> whether it was written."""
+    try:
+        atomic_write_json(path, record)
+        return True
+    except OSError as err:
+        log.warning("cannot write the %s to %s (%s): it holds for this process only; set GRIFFIN_CACHE to a writable "
+                    "folder to keep it", what, path, err.strerror or err)
+        return False
+
+
+def check_integer(record: dict, name: str, least: int, most: int | None = None) -> int:
+    """``record[name]``, an integer in [least, most] (ValueError naming the field otherwise)."""
+    value = record[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < least or (most is not None and value > most):
+        bounds = f">= {least}" if most is None else f"in [{least}, {most}]"
+        raise ValueError(f"{name} is {value!r}, not an integer {bounds}")
+    return value
 
 
 def open_safetensors(path: str | os.PathLike):

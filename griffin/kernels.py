@@ -273,7 +273,7 @@ _CHOICES: dict[str, KernelChoice] = {}
 def choose_kernels(model: nn.Module, remeasure: bool = False) -> KernelChoice:
     """The kernels for ``model``'s small inputs on this machine: measured once (:func:`measure_kernels`), then cached
     on disk; GPUs keep ``F.linear`` (their BLAS already handles a few rows well)."""
-    from .io import atomic_write_json, read_json
+    from .io import read_cached, write_cached
     from .target import cache_dir
 
     linears = _switched(model)
@@ -288,15 +288,10 @@ def choose_kernels(model: nn.Module, remeasure: bool = False) -> KernelChoice:
     if key in _CHOICES and not remeasure:
         return _CHOICES[key]
     path = cache_dir() / "kernels" / f"{key}.json"
-    if path.is_file() and not remeasure:
-        try:
-            record = read_json(path, "kernel choice")
-            rows_kernel = record["rows_kernel"]
-            choice = _CHOICES[key] = KernelChoice(record["one_row"], int(record["max_rows"]), rows_kernel
-                                                  if isinstance(rows_kernel, str) else tuple(rows_kernel), "cached")
-            return choice
-        except (ValueError, KeyError, TypeError):
-            log.warning("%s is damaged: measuring the kernels again", path)
+    cached = None if remeasure else read_cached(path, "kernel choice", cached_choice, "measuring the kernels again")
+    if cached is not None:
+        _CHOICES[key] = cached
+        return cached
     log.info("timing matmul kernels for this machine and model (about %.0f s, once)", BUDGET_S)
     t0 = time.perf_counter()
     measured = measure_kernels(model, BUDGET_S)
@@ -304,8 +299,22 @@ def choose_kernels(model: nn.Module, remeasure: bool = False) -> KernelChoice:
     record = {**asdict(choice), **measured, "cpu": cpu_name(), "threads": torch.get_num_threads(),
               "dtype": str(weight.dtype), "torch": torch.__version__, "measure_s": time.perf_counter() - t0,
               "measured_at": time.strftime("%Y-%m-%d %H:%M")}
-    atomic_write_json(path, record)
-    log.info("kernels: %s (measured in %.0f s, cached in %s)",
+    cached_in = f"cached in {path}" if write_cached(path, record, "kernel choice") else "not cached"
+    log.info("kernels: %s (measured in %.0f s, %s)",
              WeightMajorLinears(model, choice.max_rows, choice.one_row, choice.rows_kernel).describe(),
-             record["measure_s"], path)
+             record["measure_s"], cached_in)
+    return choice
+
+
+def cached_choice(record: dict) -> KernelChoice:
+    """The choice a kernel record holds; ValueError naming the field if it is not one this build can run."""
+    from .io import check_integer
+
+    rows_kernel = record["rows_kernel"]
+    if not isinstance(rows_kernel, str) and not (isinstance(rows_kernel, list)
+                                                 and all(isinstance(k, str) for k in rows_kernel)):
+        raise ValueError(f"rows_kernel is {rows_kernel!r}, not a kernel name or a list of them")
+    choice = KernelChoice(record["one_row"], check_integer(record, "max_rows", 0, max(ROW_SIZES)),
+                          rows_kernel if isinstance(rows_kernel, str) else tuple(rows_kernel), "cached")
+    WeightMajorLinears(nn.Module(), choice.max_rows, choice.one_row, choice.rows_kernel)  # unknown kernels: ValueError
     return choice

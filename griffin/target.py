@@ -77,31 +77,71 @@ def _embedded_gguf_folder() -> Path:
     return folder
 
 
-def embedded_target_path() -> Path:
-    """The safetensors folder of the embedded target, converted from its GGUF on first use (safe under concurrency)."""
+def embedded_target_path(damaged: bool = False) -> Path:
+    """The safetensors folder of the embedded target, converted from its GGUF on first use (safe under concurrency;
+    a folder left incomplete, or a conversion's temporary folder left by a killed process, is replaced).
+    ``damaged``: its files did not load: convert it again."""
     final = cache_dir() / "targets" / EMBEDDED_TARGET
-    if (final / "config.json").is_file():
+    if _complete(final) and not damaged:
         return final
     gguf_folder = _embedded_gguf_folder()
-    with file_lock(final.parent / f".{EMBEDDED_TARGET}.lock"):
-        if (final / "config.json").is_file():  # another process finished while we waited
-            return final
-        log.info("converting the embedded target from GGUF into %s (once)", final)
-        model = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=_EMBEDDED_GGUF, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=_EMBEDDED_GGUF)
-        # The dequantised weights are plain tensors now; without this, save_pretrained writes a GGUF quantizer entry.
-        model.config.quantization_config = None
-        model.hf_quantizer = None
-        _fix_embedded_tokens(model, tokenizer)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_TARGET}-", dir=final.parent))
-        try:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            os.replace(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    try:
+        with file_lock(final.parent / f".{EMBEDDED_TARGET}.lock"):
+            if _complete(final) and not damaged:  # another process finished while we waited
+                return final
+            _clear_leftovers(final)
+            _convert_embedded(gguf_folder, final)
+    except OSError as err:
+        raise ValueError(f"cannot convert the embedded target into {final} ({err.strerror or err}): set GRIFFIN_CACHE "
+                         "to a writable folder") from None
     return final
+
+
+CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json")  # what a finished conversion holds
+
+
+def _complete(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in CONVERTED_FILES)
+
+
+def _clear_leftovers(final: Path) -> None:
+    """Remove an incomplete converted folder and the temporary folders of killed conversions (under the lock)."""
+    for stale in [*final.parent.glob(f".{EMBEDDED_TARGET}-*"), final]:
+        if stale.exists():
+            log.warning("removing %s (incomplete or damaged, or left by an interrupted conversion): converting again",
+                        stale)
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            else:
+                stale.unlink()
+
+
+def _convert_embedded(gguf_folder: Path, final: Path) -> None:
+    log.info("converting the embedded target from GGUF into %s (once)", final)
+    model = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=_EMBEDDED_GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=_EMBEDDED_GGUF)
+    # The dequantised weights are plain tensors now; without this, save_pretrained writes a GGUF quantizer entry.
+    model.config.quantization_config = None
+    model.hf_quantizer = None
+    _fix_embedded_tokens(model, tokenizer)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_TARGET}-", dir=final.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        readable_by_all(tmp)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def readable_by_all(folder: Path) -> None:
+    """Give a folder made by mkdtemp (0700) and its files the permissions the umask gives new ones (usually 0755 and
+    0644), as for any other cache folder."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [folder, *folder.rglob("*")]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _fix_embedded_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -113,6 +153,30 @@ def _fix_embedded_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
         cfg.eos_token_id = eos_id
         cfg.bos_token_id = None
         cfg.pad_token_id = eos_id
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``device`` checked against this machine (None: cuda if available, else cpu); ValueError saying what is
+    available for an unknown device string or one this torch build or machine lacks."""
+    accelerators = [kind for kind in ("cuda", "xpu", "mps") if getattr(torch, kind, None) is not None
+                    and getattr(torch, kind).is_available()]
+    counts = {kind: getattr(getattr(torch, kind), "device_count", lambda: 1)() for kind in accelerators}
+    if device is None:
+        return torch.device("cuda" if "cuda" in accelerators else "cpu")
+    available = ", ".join(["cpu", *(f"{kind}:{i}" if counts[kind] > 1 else kind for kind in accelerators
+                                    for i in range(counts[kind]))])
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {str(device)!r}: this machine has {available}") from None
+    if parsed.type != "cpu" and parsed.type not in accelerators:
+        lacks = "this torch build has no CUDA" if parsed.type == "cuda" and not torch.backends.cuda.is_built() else (
+            f"no {parsed.type} device is available")
+        raise ValueError(f"device {str(device)!r}: {lacks}; this machine has {available}")
+    if parsed.index is not None and parsed.type != "cpu" and parsed.index >= counts[parsed.type]:
+        raise ValueError(f"device {str(device)!r}: there are {counts[parsed.type]} {parsed.type} devices; this machine "
+                         f"has {available}")
+    return parsed
 
 
 def resolve_target_path(name_or_path: str | os.PathLike, revision: str | None = None, token: str | bool | None = None,
@@ -147,9 +211,30 @@ def load_target(
     feature building on CUDA; speculative decoding needs custom 4D masks and uses ``"sdpa"`` (``"eager"`` for
     families without sdpa support, such as Gemma-2).
     """
+    device = resolve_device(device)
     path = resolve_target_path(name_or_path, revision, token, cache_dir)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    try:
+        model, tokenizer = _load_folder(path, dtype, attn_implementation, trust_remote_code)
+    except ValueError as err:
+        if str(name_or_path) != EMBEDDED_TARGET:
+            raise
+        log.warning("%s: converting the embedded target again", " ".join(str(err).split()))
+        path = embedded_target_path(damaged=True)
+        model, tokenizer = _load_folder(path, dtype, attn_implementation, trust_remote_code)
+    model.to(device).eval().requires_grad_(False)
+    model.config._name_or_path = str(name_or_path)  # recorded by draft heads as the target they were built for
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def _load_folder(path: Path, dtype: torch.dtype, attn_implementation: str,
+                 trust_remote_code: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model and tokenizer of a local folder; ValueError naming the folder when its files are missing or
+    damaged."""
+    from safetensors import SafetensorError
+
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
@@ -160,11 +245,15 @@ def load_target(
         log.info("%s does not support sdpa attention: loading it with eager attention", path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager",
                                                      trust_remote_code=trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model.to(device).eval().requires_grad_(False)
-    model.config._name_or_path = str(name_or_path)  # recorded by draft heads as the target they were built for
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    except OSError as err:  # transformers' "no file named model.safetensors ..."
+        raise ValueError(f"cannot load the target's weights from {path}: {' '.join(str(err).split())}") from None
+    except SafetensorError as err:
+        raise ValueError(f"the weights in {path} are truncated or corrupted ({err})") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:  # a folder without tokenizer.json ends in a hint about sentencepiece
+        raise ValueError(f"{path} has no tokenizer that loads (tokenizer.json, or the tokenizer files of its family): "
+                         f"copy the model's tokenizer files into it ({type(err).__name__})") from None
     return model, tokenizer
 
 

@@ -16,7 +16,15 @@ import sys
 import time
 from pathlib import Path
 
-from griffin.cli import add_device_arguments, add_tree_arguments, nonnegative_float, positive_int, probability, run_cli
+from griffin.cli import (
+    add_device_arguments,
+    add_tree_arguments,
+    nonnegative_float,
+    positive_int,
+    prepare_out,
+    probability,
+    run_cli,
+)
 from griffin.constants import EMBEDDED_TARGET
 from griffin.hub import model_argument
 
@@ -55,6 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         history = [{"role": "system", "content": args.system}] if args.system else []
     save = Path(args.save or args.resume or cache_dir() / "chats" / f"chat-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    try:  # before the model loads: a conversation that cannot be saved is known at once
+        prepare_out(save.parent, "the folder of --save" if args.save else "the folder of --resume" if args.resume
+                    else "the folder of saved chats")
+    except ValueError as err:
+        if args.save or args.resume:
+            raise
+        print(f"[not saving this conversation: {err}; pass --save FILE to save it]", file=sys.stderr)
+        save = None
     gen = SpecGenerator.from_pretrained(args.target, args.draft, total_tokens=args.total_tokens, retune=args.retune,
                                         lookup=args.lookup, device=args.device, dtype=args.dtype)
     start = [m for m in history if m["role"] == "system"][:1]
@@ -62,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[continuing {save}: {sum(m['role'] == 'user' for m in history)} earlier messages]")
 
     def quit_(code: int) -> int:
-        if any(m["role"] == "assistant" for m in history):
+        if save is not None and any(m["role"] == "assistant" for m in history):
             print(f"\n[conversation saved to {save}; continue it with: python -m inference.chat --resume {save}]")
         return code
 
@@ -92,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("\n[reply stopped; it stays in the conversation. Ctrl-C at the prompt quits]")
         history.append({"role": "assistant", "content": "".join(pieces)})
-        atomic_write_json(save, {"target": args.target, "draft": args.draft, "messages": history})
+        if save is not None:
+            atomic_write_json(save, {"target": args.target, "draft": args.draft, "messages": history})
 
 
 if __name__ == "__main__":

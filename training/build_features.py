@@ -25,7 +25,7 @@ from pathlib import Path
 from griffin.cli import positive_int, prepare_out, run_cli
 from griffin.constants import EMBEDDED_TARGET
 
-from .data import DEFAULT_DATA, BadConversation, DataError, iter_records, to_messages
+from .data import DEFAULT_DATA, BadConversation, DataError, add_max_bad_lines, iter_records, to_messages
 
 
 def _feature_layers(text: str) -> str | list[int]:
@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--feature-layers", default=None, type=_feature_layers, metavar="auto|A,B,C",
                    help="also store the inputs of three target layers, which eagle3 / griffin3 heads read: 'auto' "
                         "for EAGLE-3's (2, N//2, N-3), or three layer indices (3x the disk; train --online avoids it)")
+    add_max_bad_lines(p)
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
                    help="target compute dtype (default: fp32 on CPU, bf16 on CUDA); stored as fp16 or bf16")
     p.add_argument("--batch-size", type=positive_int, default=4, help="conversations per forward pass (length-sorted)")
@@ -103,6 +104,8 @@ from .store import (
 log = logging.getLogger("build_features")
 LOCK = ".lock"  # held by the build writing into a store folder
 INPUT_ERRORS = (StoreError, TemplateError, DataError)  # reported as one line, exit 2
+HEAD_FILES = {"config.json": "a model or draft head", "validation.json": "a trained head (python -m training.train)",
+              "train_state": "a training run (python -m training.train)"}  # refused in --out
 
 
 def build_settings(args: argparse.Namespace, model, tokenizer, compute_dtype: torch.dtype) -> dict:
@@ -291,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate import PartialState
 
     args = parse_args(argv)
-    out = prepare_out(args.out)
+    out = prepare_out(args.out, refuse=HEAD_FILES)
     state = PartialState(cpu=not torch.cuda.is_available())  # torchrun on CPUs: gloo
     device = state.device
     compute_dtype = resolve_dtype(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -325,14 +328,15 @@ def main(argv: list[str] | None = None) -> int:
             manifest = write_manifest(out, settings, shards) if not (out / MANIFEST).is_file() else read_json(
                 out / MANIFEST)
             report(out, manifest)
-            if manifest["num_samples"] == 0:
+            if manifest["num_samples"] == 0:  # no manifest: the empty store must not look complete
+                (out / MANIFEST).unlink()
                 raise StoreError(f"every record was skipped ({manifest['skipped']}): check --data, or raise --max-len "
                                  "if the prompts are longer than it")
     return 0
 
 
 def build_shards(args, out: Path, state, tokenizer, model, storage_dtype, device, settings) -> None:
-    records = chain.from_iterable(iter_records(source) for source in args.data)
+    records = chain.from_iterable(iter_records(source, args.max_bad_lines) for source in args.data)
     first, stop = 0, args.max_samples
     if args.shard_range is not None:
         first = args.shard_range[0]

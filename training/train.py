@@ -131,19 +131,21 @@ from tqdm.auto import tqdm
 
 from griffin.config import DraftConfig
 from griffin.draft import DraftModel
-from griffin.io import atomic_write, atomic_write_json
+from griffin.io import atomic_write, atomic_write_json, read_json
 from griffin.target import file_lock, load_target_head, resolve_dtype, target_fingerprint
 
 from .losses import make_token_loss
 from .objective import MultiPassObjective, batch_members, make_batch, pass_report, score_store
 from .state import load_state, save_state
-from .store import FeatureStore, StoreError
+from .store import BUILD, MANIFEST, FeatureStore, StoreError
 
 log = logging.getLogger("train")
 INPUT_ERRORS = (StoreError,)  # reported as one line, exit 2
 STATE = "train_state"
 LOCK = ".lock"  # held by the run writing into --out
 VALIDATION = "validation.json"
+FEATURE_STORE_FILES = {name: "a feature store (python -m training.build_features)"
+                       for name in (MANIFEST, BUILD, "shard-*.safetensors")}  # refused in --out
 SPLIT_SEED = 1234  # fixed so that every head trained on a store is validated on the same conversations
 RESUME_SETTINGS = ("arch", "steps", "ttt_steps", "topk", "epochs", "max_updates", "lr", "warmup", "batch_size",
                    "max_len", "draft_vocab", "init_from", "seed", "grad_clip", "weight_decay", "noise", "w_token",
@@ -435,7 +437,8 @@ def train_stage(args: argparse.Namespace, store: FeatureStore | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = prepare_out(args.out)
+    out = prepare_out(args.out, refuse=FEATURE_STORE_FILES)
+    check_no_other_model(out)
     store = None if args.online else FeatureStore(args.features)  # online: built beside the trainer (train_stage)
     if store is not None and len(store) == 0:
         raise StoreError(f"{args.features} holds no conversations: rebuild it with more --max-samples")
@@ -448,6 +451,18 @@ def main(argv: list[str] | None = None) -> int:
                                  "--out") from None
         train_stages(args, store, out)
     return 0
+
+
+def check_no_other_model(out: Path) -> None:
+    """Refuse an --out holding a model that is not a draft head (a target, a draft LM): training would overwrite its
+    weights."""
+    config = out / "config.json"
+    if config.is_file():
+        record = read_json(config, "model config")
+        model_type = record.get("model_type") if isinstance(record, dict) else None
+        if model_type != DraftConfig.model_type:
+            raise StoreError(f"--out {out} holds a {model_type} model (config.json), not a draft head: pass another "
+                             "folder")
 
 
 def train_stages(args: argparse.Namespace, store: FeatureStore | None, out: Path) -> None:
