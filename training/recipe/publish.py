@@ -19,6 +19,7 @@ from .schedule import HEADS, fixed_sets
 from .steps import fixed_records_file, head_folder
 
 log = logging.getLogger("recipe")
+
 COMMIT_PREFIX = "recipe: "  # the subject of the recipe's commits
 TRAILER = "Recipe-run: training.recipe"  # the last line of their message: what it may amend
 LANDED = ("main", "master")  # branches whose commits are submitted as they are: never amended

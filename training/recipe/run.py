@@ -15,7 +15,6 @@ from ..store import MANIFEST, StoreError
 from . import publish, scheduler, steps
 from .cli import parse_args
 from .progress import STATE, chunk_timing, chunks_done, count_records, load_state, plan_text, save_state
-from .publish import promote
 from .schedule import HEADS, Head, chunk_source, heads_of, settings, stage_of
 from .scheduler import AHEAD, SLOTS, STOPPING, present_steps, stop_on_signals, stop_steps
 from .steps import (
@@ -34,10 +33,7 @@ from .steps import (
 
 log = logging.getLogger("recipe")
 
-
 LOCK = ".recipe.lock"  # in --work: one recipe at a time
-
-
 INPUT_ERRORS = (StoreError, RuntimeError)  # reported as one line, exit 2 (RuntimeError: a step's process failed)
 
 
@@ -144,7 +140,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
     if args.plan:
         return 0
     if args.promote:
-        return promote(args, cfg, state)
+        return publish.promote(args, cfg, state)
     log.info("precision of every step: %s (--precision %s)", args.dtype, args.precision)
     backfill_fixed_val(args, state, fixed_val_stores(args, cfg, state,
                                                      max((p["chunk"] for p in state["curve"]), default=-1)))

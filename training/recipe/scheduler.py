@@ -15,19 +15,10 @@ from contextlib import contextmanager
 
 log = logging.getLogger("recipe")
 
-
 RUNNING: set[subprocess.Popen] = set()  # the steps' processes now running (up to --jobs)
-
-
 STOPPING = threading.Event()  # set when the run fails or is interrupted: no step starts after it
-
-
 PROCESSES = threading.Lock()  # guards RUNNING and the check of STOPPING before a step starts
-
-
 SLOTS = threading.Condition()  # guards FREE
-
-
 FREE = {
     "slots": 1,  # processes that may start now (--jobs in all)
     "ahead": 0,  # how many more of them steps of chunks built ahead may hold (--jobs - 1: one stays the present's)
@@ -37,14 +28,8 @@ FREE = {
     "queued": [],  # the chunks of the steps built ahead that wait for a process (the nearest goes first)
     "submitted": -1,  # the last chunk whose training steps were submitted
 }
-
-
 SHORT_STEPS = {"training.evaluate", "training.export"}  # a minute or less: a head's scores and export come first
-
-
 TURNS = itertools.count()  # the order in which the present chunk's steps were submitted (present_steps)
-
-
 AHEAD = threading.local()  # .chunk: the chunk it builds ahead, if any; .announced, .turn: its step waits, in that turn
 
 
