@@ -270,6 +270,9 @@ def target_config(name_or_path: str | os.PathLike):
     return AutoConfig.from_pretrained(resolve_target_path(name_or_path))
 
 
+PLAIN_RMS_NORM = ("llama", "mistral", "qwen2", "qwen3")  # families whose final norm is LlamaRMSNorm's x * w
+
+
 class TargetHead(torch.nn.Module):
     """Just the target's input embedding and lm_head (frozen): all a draft head needs of its target for training.
 
@@ -277,12 +280,14 @@ class TargetHead(torch.nn.Module):
     the 70B model. Exposes the same accessors as a HF model (``config``, ``get_input_embeddings`` ...).
     """
 
-    def __init__(self, config, embed: torch.Tensor, lm_head: torch.Tensor):
+    def __init__(self, config, embed: torch.Tensor, lm_head: torch.Tensor, final_norm: torch.Tensor | None = None):
         super().__init__()
         self.config = config
         self.embed_tokens = torch.nn.Embedding.from_pretrained(embed, freeze=True)
         self.lm_head = torch.nn.Linear(lm_head.shape[1], lm_head.shape[0], bias=False)
         self.lm_head.weight = torch.nn.Parameter(lm_head, requires_grad=False)
+        # the weight of the final RMSNorm (Llama form, x * w) before the lm_head, when the family has one (else None)
+        self.register_buffer("final_norm", final_norm, persistent=False)
 
     def get_input_embeddings(self) -> torch.nn.Embedding:
         return self.embed_tokens
@@ -310,11 +315,14 @@ def load_target_head(name_or_path: str | os.PathLike = EMBEDDED_TARGET, dtype: t
                     found["embed"] = handle.get_tensor(key)
                 elif key == "lm_head.weight" or key.endswith(".lm_head.weight"):
                     found["lm_head"] = handle.get_tensor(key)
+                elif key == "model.norm.weight" and config.model_type in PLAIN_RMS_NORM:
+                    found["norm"] = handle.get_tensor(key)
     if "embed" not in found:
         raise ValueError(f"no embed_tokens.weight in the weights of {path}")
     if "lm_head" not in found:
         if not getattr(config, "tie_word_embeddings", False):
             raise ValueError(f"no lm_head.weight in the weights of {path} and its embeddings are not tied")
         found["lm_head"] = found["embed"]
-    head = TargetHead(config, found["embed"].to(dtype), found["lm_head"].to(dtype))
+    norm = found["norm"].to(dtype) if "norm" in found else None
+    head = TargetHead(config, found["embed"].to(dtype), found["lm_head"].to(dtype), norm)
     return head.to(device).eval()

