@@ -71,13 +71,13 @@ if __name__ == "__main__":  # --help and usage errors answer here, before torch 
     parse_args()
 
 import torch
-from tqdm.auto import tqdm
 
 from griffin import SpecGenerator
 from griffin.autotune import tuning_record
 from griffin.chat import prompt_ids
 from griffin.io import atomic_write_json, atomic_write_text, read_journal, weights_digest
 from griffin.plain import plain_generate
+from griffin.progress import progress
 from griffin.sampling import SamplingConfig
 from griffin.target import load_target
 
@@ -290,7 +290,7 @@ def run_bench(bench: str, gen: SpecGenerator, runner: Runner, args: argparse.Nam
         partial.write_text(json.dumps(settings) + "\n")
     pending = [q for q in questions if q["question_id"] not in done]
     with open(partial, "a") as handle:
-        for question in tqdm(pending, desc=bench, unit="q", initial=len(done), total=len(questions),
+        for question in progress(pending, desc=bench, unit="q", initial=len(done), total=len(questions),
                              dynamic_ncols=True):
             new = question_records(runner, question, bench, args.seed + int(question["question_id"]))
             handle.write("".join(json.dumps(r) + "\n" for r in new))
