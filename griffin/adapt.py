@@ -45,10 +45,11 @@ PLAIN = Shape(0, 0, 1.0, 1.0)  # no tree: the plain loop
 
 class ShapePolicy:
     """Per request: the shape of each next cycle from the tree ``shapes`` (and :data:`PLAIN`), given what the cycles
-    so far emitted. ``start``: the shape of the first cycle (default: the best by the tuner's estimates)."""
+    so far emitted. The first cycle takes the best shape by the tuner's estimates, or plain decoding when none beats
+    it or ``plain_first`` (the tuner measured that no tree pays at this band: then the first probe waits longest)."""
 
-    def __init__(self, shapes: list[Shape], smoothing: float = SMOOTHING, probe: int = PROBE,
-                 max_probe: int = MAX_PROBE, margin: float = MARGIN):
+    def __init__(self, shapes: list[Shape], plain_first: bool = False, smoothing: float = SMOOTHING,
+                 probe: int = PROBE, max_probe: int = MAX_PROBE, margin: float = MARGIN):
         trees = [s for s in shapes if s.total_tokens > 0 and s.tau > 1]
         if not trees:
             raise ValueError("adaptation needs at least one tree shape that the tuner expects to accept tokens")
@@ -57,7 +58,9 @@ class ShapePolicy:
         self.first_wait, self.max_probe = probe, max_probe
         self.wait = probe  # plain tokens between probes now
         self.plain_run = 0  # plain tokens since the last tree cycle
-        self.current = self.best() if self.rate(self.best()) > 1 + margin else PLAIN
+        self.current = self.best() if self.rate(self.best()) > 1 + margin and not plain_first else PLAIN
+        if plain_first:
+            self.wait = max_probe
 
     def rate(self, shape: Shape) -> float:
         """Expected tokens per plain step's time with ``shape`` for this request."""

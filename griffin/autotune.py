@@ -21,7 +21,8 @@ Bounded in time (``budget_s``, 30 s by default; a progress bar shows it) and rob
 3. Expected speedup over plain decoding = ``tau(N, d) * t(1) / (t(N+1+K) + d * draft_level + overhead)``.
 4. Check (30 %): the best candidate, a small default tree (with the whole chain) and the plain loop itself
    (:func:`griffin.plain.plain_steps`; with a chain, also the chain alone) generate the calibration prompts in turns,
-   at the band's temperature (sampled with the same seed in each turn). A tree is chosen only if the median of its
+   at the band's temperature (sampled with the same seed in each turn; at least :data:`MIN_TURNS` turns, past the
+   budget if need be, since noise cannot be told from fewer). A tree is chosen only if the median of its
    paired speedups over the plain loop beats 1 by more than the measured noise (the spread of those ratios) and
    :data:`MIN_GAIN`; else decoding runs the plain loop. Too little calibration data falls back to the default tree.
 5. Shapes for adaptation (:func:`shapes`): the chosen tree and smaller ones from the same table, which
@@ -319,7 +320,7 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperatu
         if cycles < MIN_CYCLES:
             depth, total = DEFAULT_TREE
             reason = f"the default tree: only {cycles} calibration cycles fitted in the time (machine too busy?)"
-            choice.update(depth=depth, total_tokens=total, reason=reason, tuning_s=clock.elapsed)
+            choice.update(depth=depth, total_tokens=total, lookup=gen.lookup, reason=reason, tuning_s=clock.elapsed)
             return choice
         sizes = sorted({1} | {n + 1 for n in TOTALS} | {n + 1 + gen.lookup for n in TOTALS[:: 3]})
         costs = forward_cost(gen, sizes, context=128, repeats=7, deadline=clock.deadline("forward cost"))
@@ -406,7 +407,8 @@ def tuning_record(gen, temperature: float) -> dict | None:
         return None
 
 
-def _describe(choice: dict) -> str:
+def describe(choice: dict) -> str:
+    """A tuning record's choice in words, e.g. ``6 nodes, depth 3 + lookup 10 at T=1.0``."""
     lookup, temperature = choice.get("lookup", 0), choice.get("temperature", 0)
     tree = (choice["depth"], choice["total_tokens"])
     return ((_name(tree, lookup) if tree in (PLAIN, NO_TREE) else f"{tree[1]} nodes, depth {tree[0]}")
@@ -423,7 +425,7 @@ def autotune(gen, retune: bool = False, budget_s: float | None = None,
         try:
             choice = read_json(path, "tuning record")
             log.info("draft tree: %s (tuned for this machine on %s; --retune measures again, --total-tokens N fixes "
-                     "it)", _describe(choice), choice.get("tuned_at"))
+                     "it)", describe(choice), choice.get("tuned_at"))
             return choice["depth"], choice["top_k"], choice["total_tokens"]
         except (ValueError, KeyError, TypeError):
             log.warning("%s is damaged: tuning again", path)
@@ -432,7 +434,7 @@ def autotune(gen, retune: bool = False, budget_s: float | None = None,
     choice = tune(gen, budget_s, temperature=temperature)
     choice["tuned_at"] = time.strftime("%Y-%m-%d %H:%M")
     atomic_write_json(path, choice)
-    log.info("draft tree: %s, chosen in %.0f s: %s (cached in %s)", _describe(choice), choice["tuning_s"],
+    log.info("draft tree: %s, chosen in %.0f s: %s (cached in %s)", describe(choice), choice["tuning_s"],
              choice["reason"], path)
     return choice["depth"], choice["top_k"], choice["total_tokens"]
 

@@ -291,7 +291,7 @@ class SpecGenerator:
                 self._drafter.prepare(self.gamma, capacity)
             return self._drafter
         depth, total = self.depth, self.total_tokens
-        if self._adapting():  # room for the largest shape adaptation may take
+        if self.adapting:  # room for the largest shape adaptation may take
             depth, total = max(s.depth for s in self._shapes), max(s.total_tokens for s in self._shapes)
         if total == 0:
             head = NoDraft()
@@ -304,7 +304,8 @@ class SpecGenerator:
             head.prepare(depth, self.top_k, total, capacity)
         return PromptLookup(head, self.lookup, capacity) if self.lookup else head
 
-    def _adapting(self) -> bool:
+    @property
+    def adapting(self) -> bool:
         """Whether generations adapt the tree: a tuned head tree (its shapes measured) with ``adapt`` on."""
         return self.adapt and bool(self._shapes) and not isinstance(self.draft, DraftLM)
 
@@ -320,10 +321,10 @@ class SpecGenerator:
         try:
             p = ids.shape[0]
             policy = None
-            if drafter is None and not self.plain:
+            if drafter is None and (self.adapting or not self.plain):
                 drafter = self.make_drafter(p + max_new_tokens, shared)
-                if self._adapting():
-                    policy = ShapePolicy(self._shapes)
+                if self.adapting:
+                    policy = ShapePolicy(self._shapes, plain_first=self.plain)
             max_len = p + max_new_tokens + (drafter.total_tokens if drafter is not None else 0) + 1
             cache = self.backend.prepare(max_len) if shared else BufferCache(self.num_layers, max_len)
             yield from decode(self.backend, drafter, ids, max_new_tokens, sampling, eos, generator, stats, cache,

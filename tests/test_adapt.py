@@ -117,6 +117,8 @@ def test_the_policy_drops_to_plain_decoding_probes_with_backoff_and_comes_back()
     policy.observe(probe, probe.depth + 1)  # the request starts quoting its context: the probe accepts a whole path
     assert policy.shape() is BIG and policy.wait == 4
     assert ShapePolicy([Shape(2, 4, 1.1, 1.5)]).shape() is PLAIN  # a tree the tuner expects to lose: plain at once
+    tuned_plain = ShapePolicy([BIG, SMALL], plain_first=True)  # the tuner measured no tree paying: probes wait longest
+    assert tuned_plain.shape() is PLAIN and tuned_plain.wait == 32
 
 
 def test_adapting_generations_match_generate_and_change_nothing_cached(tmp_path, monkeypatch):

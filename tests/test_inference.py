@@ -64,7 +64,7 @@ def test_auto_tree_size_is_measured_within_seconds_explained_and_cached(tmp_path
     head = DraftModel(DraftConfig.from_target(target.config))
     t0 = time.perf_counter()
     gen = SpecGenerator.from_pretrained(target, head, tokenizer=CharTokenizer(), total_tokens="auto")
-    assert time.perf_counter() - t0 < 6.0  # the budget, plus the last measurement it had started
+    assert time.perf_counter() - t0 < 8.0  # the budget, plus the check's least turns (noise needs three)
     files = list((tmp_path / "autotune").glob("*.json"))
     assert len(files) == 1
     choice = json.loads(files[0].read_text())
@@ -75,7 +75,7 @@ def test_auto_tree_size_is_measured_within_seconds_explained_and_cached(tmp_path
     assert costs == sorted(costs)  # made non-decreasing
     assert all(row["tau"] <= choice["calibration_tau"] + 1e-9 for row in choice["candidates"])
     summary = [r.message for r in caplog.records if r.message.startswith("draft tree:")]
-    assert len(summary) == 1 and f"{autotune._describe(choice)}, chosen in" in summary[0]
+    assert len(summary) == 1 and f"{autotune.describe(choice)}, chosen in" in summary[0]
     assert "default tree" in summary[0]  # the reason names how the choice compared with the default tree
     caplog.clear()
     again = SpecGenerator.from_pretrained(target, head, tokenizer=CharTokenizer(), total_tokens="auto")
@@ -351,6 +351,22 @@ def test_demo_with_no_tree_is_plain_decoding_or_prompt_lookup_alone(tiny_target_
     assert "output identical to transformers' generate" in out and "tree of 0 nodes" in out
     if lookup == "0":
         assert "tau 1.09 tokens/pass" in out  # 12 tokens, the first from the prompt's pass, then one per pass
+
+
+def test_demo_runs_what_the_tuner_measured_best_with_or_without_a_chain_and_says_why(tiny_target_dir, head_dir,
+                                                                                     capsys, tmp_path, monkeypatch):
+    from inference import demo
+
+    monkeypatch.setenv("GRIFFIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(autotune, "BUDGET_S", 2.0)
+    gains = iter([1.0, 1.3])  # without the chain, then with it: the chain measured faster against the plain loop
+    monkeypatch.setattr(demo, "measured_gain", lambda record: next(gains))
+    assert demo.main(["--target", str(tiny_target_dir), "--draft", str(head_dir), "--max-new-tokens", "6",
+                      "--prompt", "Say something."]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("configuration (tuned on this machine): ") and "Why: " in lines[0]
+    assert "lookup 10" in lines[0] or "the plain loop" in lines[0]
+    assert len(list((tmp_path / "autotune").glob("*.json"))) == 2  # tuned with and without the chain
 
 
 def test_the_shipped_head_is_the_default_and_accepts_drafts(embedded):
