@@ -6,9 +6,10 @@ With ``total_tokens=0`` the generator drafts nothing and runs the plain loop's o
 (:func:`griffin.plain.plain_steps`, same kernels), so the two should run at the same rate. Per round and prompt, each
 of three modes (greedy ``generate``, sampled ``generate`` at T=1 with a fixed seed, greedy ``stream``) times the
 generator and the plain loop back to back, in alternating order, after a warm-up; the table gives the median ms per
-token of each and the median of the paired ratios (generator / plain loop). Greedy and sampled runs must write the
-same tokens as the plain loop (same seed, same draws). It also times entering and leaving the backend's
-:class:`griffin.kernels.WeightMajorLinears` alone. Writes ``<out>.json`` and ``.md``.
+token of each and the median of the paired ratios (generator / plain loop), by wall time and by CPU time (this
+process's, one thread: on a shared machine the code's cost apart from other processes' load). Greedy and sampled runs
+must write the same tokens as the plain loop (same seed, same draws). It also times entering and leaving the
+backend's :class:`griffin.kernels.WeightMajorLinears` alone. Writes ``<out>.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -67,41 +68,45 @@ def main(argv: list[str] | None = None) -> int:
         return plain_generate(gen.target, ids, args.tokens, SamplingConfig(1.0 if sampled else 0.0), eos,
                               generator).tolist()
 
-    ms: dict[str, dict[str, list[float]]] = {m: {"generator, no tree": [], "plain loop": []} for m in MODES}
+    clocks = {"wall": time.perf_counter, "cpu": time.process_time}
+    ms = {clock: {m: {"generator, no tree": [], "plain loop": []} for m in MODES} for clock in clocks}
     for round_ in range(args.rounds + 1):  # round 0: warm-up
         for i, ids in enumerate(prompts):
             for mode in MODES:
                 pair = {}
                 order = [("generator, no tree", ours), ("plain loop", plain)]
                 for name, run in order if (round_ + i) % 2 else order[::-1]:
-                    start = time.perf_counter()
+                    start = {clock: now() for clock, now in clocks.items()}
                     tokens = run(mode, ids)
-                    pair[name] = (time.perf_counter() - start, tokens)
+                    pair[name] = ({clock: now() - start[clock] for clock, now in clocks.items()}, tokens)
                 if mode != "stream" and pair["generator, no tree"][1] != pair["plain loop"][1]:
                     raise RuntimeError(f"{mode}: the generator without a tree and the plain loop wrote different "
                                        "tokens")
                 if round_:
                     n = len(pair["plain loop"][1])  # the stream's text re-tokenized may differ in count
                     for name, (seconds, _) in pair.items():
-                        ms[mode][name].append(seconds / n * 1000)
+                        for clock in clocks:
+                            ms[clock][mode][name].append(seconds[clock] / n * 1000)
     switch = gen.backend.weight_major
     start = time.perf_counter()
     for _ in range(args.switches):
         with switch:
             pass
     switch_s = (time.perf_counter() - start) / args.switches
-    summary = {}
-    for mode, times in ms.items():
-        ratios = [o / p for o, p in zip(times["generator, no tree"], times["plain loop"], strict=True)]
-        summary[mode] = {name: statistics.median(t) for name, t in times.items()} | {
-            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-            "pairs": len(ratios)}
+    summary: dict = {clock: {} for clock in clocks}
+    for clock, modes in ms.items():
+        for mode, times in modes.items():
+            ratios = [o / p for o, p in zip(times["generator, no tree"], times["plain loop"], strict=True)]
+            summary[clock][mode] = {name: statistics.median(t) for name, t in times.items()} | {
+                "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                "pairs": len(ratios)}
     result = {"target": args.target, "new_tokens": args.tokens, "rounds": args.rounds, "prompts": PROMPTS,
               "ms_per_token": summary, "ms_per_token_all": ms, "kernel_switch_ms": switch_s * 1000,
               "switched_layers": len(switch.linears), "kernels": switch.describe(), "machine": machine_info(),
               "command": command_line("inference.loop_overhead", args.argv)}
-    rows = [[mode, f"{s['generator, no tree']:.2f}", f"{s['plain loop']:.2f}",
-             f"{s['ratio_median']:.3f} ({s['ratio_min']:.3f}-{s['ratio_max']:.3f})"] for mode, s in summary.items()]
+    rows = [[f"{mode} ({clock})", f"{s['generator, no tree']:.2f}", f"{s['plain loop']:.2f}",
+             f"{s['ratio_median']:.3f} ({s['ratio_min']:.3f}-{s['ratio_max']:.3f})"]
+            for clock, modes in summary.items() for mode, s in modes.items()]
     text = (f"# No tree against the plain loop · {args.target}\n\n{args.rounds} rounds x {len(PROMPTS)} prompts x "
             f"{args.tokens} tokens per mode, the two methods back to back in alternating order, one thread; "
             f"kernels: {switch.describe()}; entering and leaving the kernel switch ({len(switch.linears)} layers): "

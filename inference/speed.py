@@ -106,7 +106,7 @@ class Runner:
 
     def run(self, method: str, ids: torch.Tensor, seed: int) -> dict:
         torch.manual_seed(seed)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         record: dict = {}
         with torch.inference_mode():
             if method == "baseline":
@@ -125,7 +125,8 @@ class Runner:
                     self.gen.adapt = True
                 new = out.sequences[0, ids.shape[0]:]
                 record["stats"] = out.stats.as_dict()
-        record.update(seconds=time.perf_counter() - t0, tokens=new.tolist())
+        # CPU seconds beside wall seconds: on a shared machine they show the cost apart from others' load
+        record.update(seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - cpu0, tokens=new.tolist())
         return record
 
 
@@ -186,7 +187,20 @@ def category_summary(records: list[dict], methods: list[str]) -> dict:
         out["speedup_vs_fastest_plain"] = rate["ours"] / plain
         if "fixed" in methods:
             out["fixed_speedup_vs_fastest_plain"] = rate["fixed"] / plain
-    return out
+    return out | cpu_speedups(records, methods)
+
+
+def cpu_speedups(records: list[dict], methods: list[str]) -> dict:
+    """Speedups of ours (and of the fixed tree) over the fastest plain decoding by CPU seconds (runs that record
+    them): what the methods cost apart from other processes' load on a shared machine."""
+    if not all("cpu_seconds" in r[m] for r in records for m in methods):
+        return {}
+    rate = {m: sum(len(r[m]["tokens"]) for r in records) / sum(r[m]["cpu_seconds"] for r in records) for m in methods}
+    plain = max((rate[m] for m in ("baseline", "own_loop") if m in methods), default=None)
+    if plain is None:
+        return {}
+    return {f"{'' if m == 'ours' else m + '_'}cpu_speedup_vs_fastest_plain": rate[m] / plain
+            for m in ("ours", "fixed") if m in methods}
 
 
 def summarise(records: list[dict], args: argparse.Namespace, bench: str, gen: SpecGenerator, tag: str) -> dict:
@@ -241,6 +255,7 @@ def summarise(records: list[dict], args: argparse.Namespace, bench: str, gen: Sp
         if plain:
             result["fixed_speedup_vs_fastest_plain"] = result["fixed_tokens_per_s"] / plain[fastest]
     result["plain_fraction"] = sum(r["ours"]["stats"].get("plain_steps", 0) for r in records) / max(cycles, 1)
+    result.update(cpu_speedups(records, args.methods))
     categories = sorted({r["category"] for r in records if r.get("category")})
     if len(categories) > 1:
         result["by_category"] = {c: category_summary([r for r in records if r.get("category") == c], args.methods)
@@ -270,6 +285,9 @@ def table(result: dict) -> str:
     if "fixed_speedup_vs_fastest_plain" in result:
         rows.append(["the tuned tree held fixed (no adaptation): speedup vs the fastest plain decoding",
                      result["fixed_speedup_vs_fastest_plain"]])
+    for key, name in (("cpu_speedup_vs_fastest_plain", "ours"), ("fixed_cpu_speedup_vs_fastest_plain", "fixed tree")):
+        if key in result:
+            rows.append([f"{name}: speedup vs the fastest plain decoding by CPU seconds", result[key]])
     if "plain_fraction" in result:
         rows.append(["cycles adaptation ran as plain steps (fraction)", result["plain_fraction"]])
     if "peers" in result:
@@ -288,8 +306,10 @@ def table(result: dict) -> str:
         fixed = c.get("fixed_speedup_vs_fastest_plain")
         fixed = "" if fixed is None else f"; fixed tree {fixed:.2f}x"
         tau = "-" if c["tau"] is None else f"{c['tau']:.2f}"
+        cpu = c.get("cpu_speedup_vs_fastest_plain")
+        cpu = "" if cpu is None else f" (CPU seconds {cpu:.2f}x)"
         rows.append([f"{name} ({c['n_prompts']} prompts): τ, speedup vs the fastest plain decoding",
-                     f"τ {tau}; {c.get('speedup_vs_fastest_plain', float('nan')):.2f}x{fixed}"])
+                     f"τ {tau}; {c.get('speedup_vs_fastest_plain', float('nan')):.2f}x{cpu}{fixed}"])
     head = (f"# {result['bench']} · draft {result['draft']} · T={result['temperature']}\n\n"
             f"{result['n_questions']} questions, {result['n_prompts']} prompts, up to {result['max_new_tokens']} new "
             f"tokens, target {result['target']} ({result['dtype']}), tree {result['tree']}.\n\n")
@@ -357,7 +377,8 @@ def run_bench(bench: str, gen: SpecGenerator, runner: Runner, args: argparse.Nam
     result = summarise(records, args, bench, gen, tag)
     atomic_write_json(out_dir / f"{stem}.json", {**result, "per_prompt": [
         {"question_id": r["question_id"], "turn": r["turn"], "prompt_tokens": r["prompt_tokens"],
-         **{m: {"seconds": r[m]["seconds"], "new_tokens": len(r[m]["tokens"])} for m in args.methods},
+         **{m: {"seconds": r[m]["seconds"], "cpu_seconds": r[m].get("cpu_seconds"), "new_tokens": len(r[m]["tokens"])}
+            for m in args.methods},
          "tau": r["ours"]["stats"]["tau"]} for r in records]})
     atomic_write_text(out_dir / f"{stem}.md", table(result))
     atomic_write_text(out_dir / "answers" / f"{stem}.jsonl",

@@ -12,6 +12,7 @@ from griffin.drafters import head_drafter
 from griffin.kv_cache import BufferCache
 from griffin.sampling import SamplingConfig
 from tests.conftest import pooled_chisquare, tiny_model
+from tests.test_engine import counted, syncs_per_cycle  # noqa: F401, F811 - counted is a fixture
 from tests.test_generation import NoTokenizer, exact_sequences, untrained_head
 
 BIG, SMALL = Shape(3, 10, 2.0, 1.5), Shape(1, 2, 1.3, 1.1)
@@ -139,3 +140,15 @@ def test_adapting_generations_match_generate_and_change_nothing_cached(tmp_path,
     fixed = gen.generate(prompt, max_new_tokens=48)
     assert torch.equal(fixed.sequences, ref) and fixed.stats.plain_steps == 0
     assert not list(tmp_path.rglob("*.json"))
+
+
+def test_one_host_sync_per_cycle_in_the_plain_loop_and_while_adapting(counted):  # noqa: F811
+    """The plain steps and the switches cost no extra host sync: one per cycle, as in a tree cycle."""
+    target = tiny_model("llama", vocab_size=96)
+    prompt = torch.tensor([5, 17, 33, 2, 60, 71])
+    plain = SpecGenerator(target, NoTokenizer(), untrained_head(target), total_tokens=0)
+    adapting = SpecGenerator(target, NoTokenizer(), untrained_head(target), top_k=4)
+    adapting._shapes = [BIG, SMALL]
+    for gen, temperature in ((plain, 0.0), (plain, 1.0), (adapting, 0.0), (adapting, 1.0)):
+        per_cycle = syncs_per_cycle(gen, prompt, counted, temperature=temperature, top_p=0.9, top_k=20)
+        assert len(per_cycle) > 10 and per_cycle == [1] * len(per_cycle), (temperature, per_cycle)
