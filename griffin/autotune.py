@@ -1,6 +1,7 @@
 """``total_tokens="auto"``: choose the tree size and depth that maximise the speedup on this machine, in seconds.
 
-Bounded in time (``budget_s``, 30 s by default; a progress bar shows it) and robust to a busy machine:
+Bounded in time (``budget_s``, 45 s by default, plus the check's least turns; a progress bar shows it) and robust
+to a busy machine:
 
 1. Calibration (45 % of the budget): a few generic requests (not evaluation questions) are generated with a large
    tree at the temperature being tuned for (greedily at 0, else sampled with fixed seeds); for every cycle the

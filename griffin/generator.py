@@ -101,9 +101,10 @@ class SpecGenerator:
         pass ``tokenizer``); ``draft``: a head folder, a :class:`DraftModel`, or None for the head shipped for the
         target. ``total_tokens="auto"`` (the default) picks the tree size and depth that maximise the speedup on this
         machine (measured once in under a minute, then cached; ``retune=True`` measures again), overriding
-        ``depth``; pass an int to fix the tree and skip tuning (0: no tree, plain decoding through the same loop, or
-        prompt lookup alone with ``lookup``; the tuner picks it where no tree pays for itself). The tree is tuned per
-        temperature band (sampling accepts less than greedy decoding): for greedy decoding when loaded, and for a
+        ``depth``; pass an int to fix the tree and skip tuning (0: no tree, the plain loop's own steps and kernels,
+        :func:`griffin.plain.plain_steps`, or prompt lookup alone with ``lookup``; the tuner picks the plain loop
+        where no tree beats it by more than the measured noise). The tree is tuned per temperature band (sampling
+        accepts less than greedy decoding): for greedy decoding when loaded, and for a
         sampled band the first time a generation asks for it (:meth:`tune_for`).
         ``draft_dtype="auto"`` runs the head in bf16 where the hardware computes it natively (see
         :func:`fast_draft_dtype`); the head's dtype changes which tokens are drafted, never the output.
