@@ -5,7 +5,8 @@ on generic requests and what a cycle of it costs against a plain decoding step. 
 rewrite of its context) or far less (a translation) than those requests did. :class:`ShapePolicy` keeps, per
 request, one running number: the ratio of the drafted tokens the current tree got accepted to those the tuner expected
 of it (an exponential average over cycles). Scaled by it, each shape's expected rate is ``tau / cost`` tokens per
-plain step; the policy runs the best shape, or plain decoding (rate 1) when no tree beats it. While decoding plainly
+plain step; the policy runs the best shape while its rate stays above plain decoding's (rate 1) less ``MARGIN``, and
+plain decoding once it falls below; a tree takes over again when it beats rate 1 by ``MARGIN``. While decoding plainly
 it learns nothing about acceptance, so it probes: after ``probe`` plain tokens one cycle runs the best tree, and each
 probe that still loses doubles the wait (up to ``max_probe``).
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 SMOOTHING = 0.3  # weight of the newest cycle in the running acceptance ratio
 PROBE, MAX_PROBE = 4, 32  # plain tokens before a tree is tried again, at first and at most
-MARGIN = 0.03  # a tree must beat plain decoding's rate by this fraction to be kept
+MARGIN = 0.03  # the hysteresis around plain decoding's rate: a tree is left below 1 - MARGIN, retaken above 1 + MARGIN
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,9 @@ class ShapePolicy:
         seen = (emitted - 1) / (shape.tau - 1)
         self.ratio += self.smoothing * (seen - self.ratio)
         best = self.best()
-        if self.rate(best) > 1 + self.margin:
+        # hysteresis: a tree runs on while it holds plain decoding's rate within the margin, and takes over from
+        # plain decoding (after a probe) only when it beats that rate by the margin
+        if self.rate(best) > (1 + self.margin if probe else 1 - self.margin):
             self.current, self.wait = best, self.first_wait
         else:
             self.current = PLAIN
