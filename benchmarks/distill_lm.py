@@ -101,10 +101,10 @@ import torch
 from tqdm.auto import tqdm
 
 from griffin import SpecGenerator
-from griffin.autotune import forward_cost
+from griffin.autotune import draft_step_cost, expected_tokens, forward_cost, measured_alpha
 from griffin.chat_template import prompt_ids
 from griffin.draft import DraftModel
-from griffin.draft_lm import DraftLM, draft_step_cost, expected_tokens, load_draft_lm, measured_alpha
+from griffin.draft_lm import DraftLM, load_draft_lm
 from griffin.generator import default_head, fast_draft_dtype
 from griffin.io import atomic_write, atomic_write_json
 from griffin.plain import plain_generate

@@ -3,7 +3,7 @@
     python -m benchmarks.verify_profile                  # embedded target, fp32, n = 1, 4 and 25 new tokens
 
 One target forward over n new tokens after 256 cached ones, exactly as verification runs it (the generator's
-``_target_forward``, with the CPU's weight-major small matmuls when they apply), is timed without the profiler (all n
+``backend.forward``, with the CPU's weight-major small matmuls when they apply), is timed without the profiler (all n
 interleaved, median, before any profiling) and then profiled with ``torch.profiler``. The operators' self times are
 grouped into matrix products, attention, copies and views, and elementwise work (norms, rotary embedding,
 activations); what the operators do not account for is Python and dispatch between them (plus the profiler's own

@@ -1,6 +1,7 @@
 """``total_tokens="auto"``: choose the tree size and depth that maximise the speedup on this machine, in seconds.
 
-Bounded in time (``budget_s``, 30 s by default; a progress bar shows it) and robust to a busy machine:
+Bounded in time (``budget_s``, 45 s by default, plus the check's least turns; a progress bar shows it) and robust
+to a busy machine:
 
 1. Calibration (45 % of the budget): a few generic requests (not evaluation questions) are generated with a large
    tree at the temperature being tuned for (greedily at 0, else sampled with fixed seeds); for every cycle the
@@ -19,12 +20,14 @@ Bounded in time (``budget_s``, 30 s by default; a progress bar shows it) and rob
    medians, made non-decreasing in ``n`` (a busy moment cannot make a larger pass look cheaper than a smaller one);
    sizes between two measured ones are interpolated.
 3. Expected speedup over plain decoding = ``tau(N, d) * t(1) / (t(N+1+K) + d * draft_level + overhead)``.
-4. Check (30 %): the best candidate and a small default tree (with the whole chain) generate the same prompt in turns;
-   the fastest per token by median wins, so the choice is never worse than the default. Where the best estimate is
-   under 1.15x, decoding with no tree at all (the chain alone, or plain decoding through the loop,
-   :class:`griffin.drafters.NoDraft`) runs in the turns too, so a head that cannot pay for its tree (sampling with a
-   weak head, a machine where wider passes cost much more) does not slow generation down. Too little calibration
-   data falls back to the default tree.
+4. Check (30 %): the best candidate, a small default tree (with the whole chain) and the plain loop itself
+   (:func:`griffin.plain.plain_steps`; with a chain, also the chain alone) generate the calibration prompts in turns,
+   at the band's temperature (sampled with the same seed in each turn; at least :data:`MIN_TURNS` turns, past the
+   budget if need be, since noise cannot be told from fewer). A tree is chosen only if the median of its
+   paired speedups over the plain loop beats 1 by more than the measured noise (the spread of those ratios) and
+   :data:`MIN_GAIN`; else decoding runs the plain loop. Too little calibration data falls back to the default tree.
+5. Shapes for adaptation (:func:`shapes`): the chosen tree and smaller ones from the same table, which
+   :class:`griffin.adapt.ShapePolicy` switches between per request, down to the plain loop.
 
 **Temperature.** Sampling accepts far less than greedy decoding (on MT-Bench with the embedded target and a 10-token
 lookup chain, fp32: τ 1.40 at T=1 against 2.98 at T=0, ``benchmarks/results/mt_bench-*-lookup10-T*.md``), so the best
@@ -34,6 +37,9 @@ time a generation asks for it.
 
 The choice is cached per machine, target, dtype, head and temperature band under ``<griffin cache>/autotune/`` with
 the reason for it; ``retune=True`` (``--retune`` on the commands) measures again, ``total_tokens=N`` skips the tuning.
+A standalone draft LM's chain length is tuned here too (:func:`tune_gamma`). The tuner drives the decode loop
+(:func:`griffin.decode.decode`) with drafters and caches of its own; it reads a generator's public parts and never
+changes them.
 """
 
 from __future__ import annotations
@@ -48,9 +54,16 @@ from collections.abc import Callable, Iterator
 import numpy
 import torch
 
+from .adapt import Shape
+from .chat_template import TemplateError
+from .decode import GenerationStats, decode
+from .draft_lm import DraftLM
+from .drafters import DraftLMDrafter, head_drafter
 from .io import check_integer, read_cached, write_cached
 from .kernels import cpu_name
 from .kv_cache import BufferCache
+from .progress import progress
+from .sampling import SamplingConfig
 from .target import cache_dir, target_fingerprint
 
 log = logging.getLogger(__name__)
@@ -64,10 +77,12 @@ CALIBRATION = [
 MAX_DEPTH, MAX_TOTAL = 6, 48  # the calibration tree; every candidate is a sub-tree of it
 TOTALS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48]
 DEFAULT_TREE = (3, 6)  # depth, total_tokens: small enough to be cheap on any machine, large enough to help
-NO_TREE = (1, 0)  # no drafted node: plain decoding through the loop (prompt lookup alone with a chain)
-TRY_NO_TREE_BELOW = 1.15  # the best expected speedup under which the check also times decoding without a tree
+NO_TREE = (1, 0)  # no head node: the plain loop (with a chain, the chain alone)
+PLAIN = (0, 0)  # nothing drafted, the chain neither: the plain loop (a choice only apart from NO_TREE with a chain)
+MIN_GAIN = 0.02  # a tree must beat the plain loop by this much beyond the measured noise
+CHECK_TOKENS, CHECK_TURNS, MIN_TURNS = 32, 6, 3  # per generation; turns at most and at least
 MIN_CYCLES = 8  # fewer calibration cycles than this: too little data to trust, keep the default
-BUDGET_S = 30.0
+BUDGET_S = 45.0
 SPLIT = {"calibration": 0.45, "forward cost": 0.25, "check": 0.30}
 
 
@@ -126,13 +141,14 @@ def cached_context_forward(gen, context: int, max_new: int) -> Callable[[int], N
     ids = torch.randint(0, gen.target.config.vocab_size, (context + max_new,), device=gen.device)
     cache = BufferCache(gen.num_layers, context + max_new)
     causal = torch.ones(context, context, dtype=torch.bool, device=gen.device).tril()
-    gen._target_forward(ids[:context], torch.arange(context, device=gen.device), causal, cache, last_logits_only=True)
+    gen.backend.forward(ids[:context], torch.arange(context, device=gen.device), causal, cache,
+                        last_logits_only=True)
 
     @torch.inference_mode()
     def forward(n: int) -> None:
         mask = torch.ones(n, n, dtype=torch.bool, device=gen.device).tril()
-        gen._target_forward(ids[context : context + n], torch.arange(context, context + n, device=gen.device),
-                            mask, cache)
+        gen.backend.forward(ids[context : context + n], torch.arange(context, context + n, device=gen.device), mask,
+                            cache)
         cache.crop(context)
 
     return forward
@@ -165,11 +181,9 @@ class _Clock:
     """Wall time against the budget, shown as a progress bar in seconds."""
 
     def __init__(self, budget_s: float):
-        from tqdm.auto import tqdm
-
         self.start = time.perf_counter()
         self.budget = budget_s
-        self.bar = tqdm(total=round(budget_s), desc="tuning the draft tree (once)", unit="s", leave=False,
+        self.bar = progress(total=round(budget_s), desc="tuning the draft tree (once)", unit="s", leave=False,
                         bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s")
 
     def deadline(self, phase: str) -> float:
@@ -190,84 +204,98 @@ class _Clock:
         self.bar.close()
 
 
-def _calibration_prompts(gen) -> Iterator[torch.Tensor]:
-    from .chat_template import TemplateError
-
+def _calibration_prompts(gen) -> list[torch.Tensor]:
+    prompts = []
     for prompt in CALIBRATION:
         try:
-            yield gen.encode([{"role": "user", "content": prompt}])
+            prompts.append(gen.encode([{"role": "user", "content": prompt}]))
         except TemplateError:  # a base model without a chat template
-            yield gen.encode(prompt)
+            prompts.append(gen.encode(prompt))
+    return prompts
 
 
-def calibration_sampling(gen, temperature: float, seed: int) -> tuple:
+def calibration_sampling(gen, temperature: float, seed: int) -> tuple[SamplingConfig, torch.Generator | None]:
     """-> (SamplingConfig, torch.Generator or None) of a calibration generation at ``temperature``."""
-    from .sampling import SamplingConfig
-
     if temperature == 0:
         return SamplingConfig(), None
     return SamplingConfig(temperature), torch.Generator(device=gen.device).manual_seed(seed)
 
 
-def _calibrate(gen, clock: _Clock, max_new_tokens: int, temperature: float) -> tuple[list, dict]:
-    from .generator import GenerationStats
+def run(gen, tree: tuple[int, int], ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int,
+        stats: GenerationStats, timing: bool = False, trace: list | None = None) -> Iterator[torch.Tensor]:
+    """Generate from ``ids`` with the tree (depth, total_tokens) on ``gen``'s target and head, through the decode
+    loop with a drafter and a KV cache of its own (``gen`` is only read): its chunks of new tokens.
+    :data:`PLAIN` (and :data:`NO_TREE` without a chain) is the plain loop."""
+    depth, total = tree
+    lookup = 0 if tree == PLAIN else gen.lookup
+    capacity = ids.shape[0] + max_new_tokens
+    drafter = None if total == 0 and not lookup else head_drafter(gen.draft, depth, gen.top_k, total, capacity,
+                                                                  lookup)
+    cache = BufferCache(gen.num_layers, capacity + (drafter.total_tokens if drafter else 0) + 1)
+    sampling, generator = calibration_sampling(gen, temperature, seed)
+    return decode(gen.backend, drafter, ids, max_new_tokens, sampling, gen.eos_ids(None), generator, stats, cache,
+                  timing=timing, trace=trace)
 
+
+def _calibrate(gen, clock: _Clock, max_new_tokens: int, temperature: float) -> tuple[list, dict]:
     deadline = clock.deadline("calibration")
     trace: list = []
     totals = {"draft_s": 0.0, "other_s": 0.0, "cycles": 0, "new_tokens": 0}
-    saved = gen.depth, gen.total_tokens, gen.timing
-    gen.depth, gen.total_tokens, gen.timing = MAX_DEPTH, MAX_TOTAL, True  # the draft time per cycle is needed
-    try:
-        for seed, ids in enumerate(_calibration_prompts(gen)):
-            stats = GenerationStats()
-            sampling, generator = calibration_sampling(gen, temperature, seed)
-            for _ in gen._steps(ids, max_new_tokens, sampling, gen.eos_ids(None), generator, stats, trace=trace):
-                clock.tick("calibration")
-                if time.perf_counter() > deadline:
-                    break
-            totals["draft_s"] += stats.draft_s
-            totals["other_s"] += stats.other_s
-            totals["cycles"] += stats.cycles
-            totals["new_tokens"] += stats.new_tokens - 1  # the prefill's token is no cycle's
+    for seed, ids in enumerate(_calibration_prompts(gen)):
+        stats = GenerationStats()  # timed: the draft time per cycle is needed
+        for _ in run(gen, (MAX_DEPTH, MAX_TOTAL), ids, max_new_tokens, temperature, seed, stats, True, trace):
+            clock.tick("calibration")
             if time.perf_counter() > deadline:
                 break
-    finally:
-        gen.depth, gen.total_tokens, gen.timing = saved
+        totals["draft_s"] += stats.draft_s
+        totals["other_s"] += stats.other_s
+        totals["cycles"] += stats.cycles
+        totals["new_tokens"] += stats.new_tokens - 1  # the prefill's token is no cycle's
+        if time.perf_counter() > deadline:
+            break
     return trace, totals
 
 
 def _seconds_per_token(gen, ids: torch.Tensor, tree: tuple[int, int], max_new_tokens: int, temperature: float,
                        seed: int) -> float:
-    saved = gen.depth, gen.total_tokens
-    gen.depth, gen.total_tokens = tree
-    try:
-        _sync(gen.device)
-        t0 = time.perf_counter()
-        out = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-        _sync(gen.device)
-        return (time.perf_counter() - t0) / out.stats.new_tokens
-    finally:
-        gen.depth, gen.total_tokens = saved
+    stats = GenerationStats()
+    _sync(gen.device)
+    t0 = time.perf_counter()
+    for _ in run(gen, tree, ids, max_new_tokens, temperature, seed, stats):
+        pass
+    _sync(gen.device)
+    return (time.perf_counter() - t0) / stats.new_tokens
 
 
 def _check(gen, clock: _Clock, trees: list[tuple[int, int]], max_new_tokens: int,
-           temperature: float) -> dict[tuple[int, int], float]:
-    """Median seconds per token of each of ``trees`` (depth, total_tokens), generated in turns (when sampling, all
-    with the same seed in each turn)."""
-    ids = next(_calibration_prompts(gen))
+           temperature: float) -> dict[tuple[int, int], list[float]]:
+    """Seconds per token of each of ``trees`` (depth, total_tokens), generated in turns: each turn one calibration
+    prompt (in rotation) and, when sampling, one seed for all."""
+    prompts = _calibration_prompts(gen)
     deadline = clock.deadline("check")
     times: dict[tuple[int, int], list[float]] = {tree: [] for tree in trees}
     for turn in itertools.count():
+        ids = prompts[turn % len(prompts)]
         for tree in trees:
             times[tree].append(_seconds_per_token(gen, ids, tree, max_new_tokens, temperature, turn))
             clock.tick("check")
-        if turn >= 4 or time.perf_counter() > deadline:
+        if turn + 1 >= CHECK_TURNS or (turn + 1 >= MIN_TURNS and time.perf_counter() > deadline):
             break
-    return {tree: statistics.median(t) for tree, t in times.items()}
+    return times
 
 
-def _name(tree: tuple[int, int]) -> str:
-    return {NO_TREE: "no draft tree", DEFAULT_TREE: "the default tree"}.get(tree, f"{tree[1]} nodes, depth {tree[0]}")
+def paired_speedup(plain: list[float], other: list[float]) -> tuple[float, float]:
+    """Seconds per token of the plain loop and another method in the same turns -> (median of the per-turn speedups
+    plain / other, their noise: the median absolute deviation of those speedups, scaled to a standard deviation)."""
+    ratios = [p / o for p, o in zip(plain, other, strict=True)]
+    middle = statistics.median(ratios)
+    return middle, 1.4826 * statistics.median(abs(r - middle) for r in ratios)
+
+
+def _name(tree: tuple[int, int], lookup: int = 0) -> str:
+    names = {PLAIN: "the plain loop", NO_TREE: "the lookup chain alone" if lookup else "the plain loop",
+             DEFAULT_TREE: "the default tree"}
+    return names.get(tree, f"{tree[1]} nodes, depth {tree[0]}")
 
 
 def interpolate(costs: dict[int, float], n: int) -> float:
@@ -281,10 +309,10 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperatu
     module docstring)."""
     budget_s = budget_s or BUDGET_S
     clock = _Clock(budget_s)
-    was_tuning, gen._tuning = gen._tuning, True  # its generations must not start another tuning (tune_for)
     try:
         # one-time costs of the first calls: untimed
-        gen.generate(next(_calibration_prompts(gen)), max_new_tokens=4, temperature=temperature, seed=0)
+        for tree in ((MAX_DEPTH, MAX_TOTAL), PLAIN):
+            _seconds_per_token(gen, _calibration_prompts(gen)[0], tree, 4, temperature, 0)
         trace, totals = _calibrate(gen, clock, max_new_tokens, temperature)
         cycles = totals["cycles"]
         measured_tau = (totals["new_tokens"] / cycles) if cycles else 1.0
@@ -293,7 +321,7 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperatu
         if cycles < MIN_CYCLES:
             depth, total = DEFAULT_TREE
             reason = f"the default tree: only {cycles} calibration cycles fitted in the time (machine too busy?)"
-            choice.update(depth=depth, total_tokens=total, reason=reason, tuning_s=clock.elapsed)
+            choice.update(depth=depth, total_tokens=total, lookup=gen.lookup, reason=reason, tuning_s=clock.elapsed)
             return choice
         sizes = sorted({1} | {n + 1 for n in TOTALS} | {n + 1 + gen.lookup for n in TOTALS[:: 3]})
         costs = forward_cost(gen, sizes, context=128, repeats=7, deadline=clock.deadline("forward cost"))
@@ -311,34 +339,64 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperatu
                 table.append({"depth": depth, "total_tokens": total, "tau": tau, "speedup": speedup})
         best = max(table, key=lambda row: row["speedup"])
         pick = (best["depth"], best["total_tokens"])
-        # no tree: the chain alone (or nothing); no drafting, the loop's overhead stays
-        tau = min(expected_tau(trace, 0, 1, gen.lookup), measured_tau) if gen.lookup else 1.0
-        table.append({"depth": NO_TREE[0], "total_tokens": 0, "tau": tau,
-                      "speedup": tau * costs[1] / (interpolate(costs, 1 + gen.lookup) + overhead)})
+        if gen.lookup:  # the chain alone: no drafting, the loop's overhead stays
+            tau = min(expected_tau(trace, 0, 1, gen.lookup), measured_tau)
+            table.append({"depth": NO_TREE[0], "total_tokens": 0, "tau": tau,
+                          "speedup": tau * costs[1] / (interpolate(costs, 1 + gen.lookup) + overhead)})
+        plain = PLAIN if gen.lookup else NO_TREE
+        table.append({"depth": plain[0], "total_tokens": 0, "tau": 1.0, "speedup": 1.0})
         rows = {(row["depth"], row["total_tokens"]): row for row in table}
-        low = best["speedup"] < TRY_NO_TREE_BELOW  # then decoding without a tree is timed too
-        contenders = list(dict.fromkeys([pick, DEFAULT_TREE, *([NO_TREE] if low else [])]))
-        reason = f"expected tau {best['tau']:.2f} at {best['speedup']:.2f}x the plain decoding rate"
-        measured = {}
-        if len(contenders) > 1:
-            measured = _check(gen, clock, contenders, 16, temperature)
-            winner = min(contenders, key=measured.__getitem__)
-            others = ", ".join(f"{_name(t)} {measured[t] / measured[winner]:.2f}x" for t in contenders if t != winner)
-            if winner == pick:
-                reason += f"; measured fastest per token (time per token against it: {others})"
-            else:
-                reason = (f"{_name(winner)}: measured fastest per token, the best estimate ({_name(pick)}, "
-                          f"{best['speedup']:.2f}x) included (time per token against it: {others})")
-            pick, best = winner, rows[winner]
-        choice.update(depth=pick[0], total_tokens=pick[1], lookup=gen.lookup, reason=reason,
-                      expected_tau=best["tau"], expected_speedup=best["speedup"], forward_cost_s=costs,
-                      draft_level_s=level, cycle_overhead_s=overhead,
+        contenders = list(dict.fromkeys([pick, DEFAULT_TREE, *([NO_TREE] if gen.lookup else []), plain]))
+        times = _check(gen, clock, contenders, CHECK_TOKENS, temperature)
+        measured = {tree: statistics.median(t) for tree, t in times.items()}
+        paired = {tree: paired_speedup(times[plain], times[tree]) for tree in contenders if tree != plain}
+        paying = [tree for tree, (gain, noise) in paired.items() if gain > 1 + MIN_GAIN + noise]
+        winner = min(paying, key=measured.__getitem__) if paying else plain
+        against = ", ".join(f"{_name(t, gen.lookup)} {gain:.2f}x ± {noise:.2f}" for t, (gain, noise) in paired.items())
+        if winner == plain:
+            reason = (f"the plain loop: no tree beat it by more than the noise (median paired speedups over it: "
+                      f"{against}; the best estimate was {_name(pick)}, {best['speedup']:.2f}x)")
+        else:
+            reason = (f"{_name(winner, gen.lookup)}: measured fastest, {paired[winner][0]:.2f}x the plain loop "
+                      f"(median of {len(times[plain])} paired turns; all: {against}; expected tau "
+                      f"{rows[winner]['tau']:.2f})")
+        choice.update(depth=winner[0], total_tokens=winner[1], lookup=0 if winner == PLAIN else gen.lookup,
+                      reason=reason, expected_tau=rows[winner]["tau"], expected_speedup=rows[winner]["speedup"],
+                      forward_cost_s=costs, draft_level_s=level, cycle_overhead_s=overhead,
                       measured_s_per_token={f"{d}x{n}": s for (d, n), s in measured.items()},
-                      candidates=table, tuning_s=clock.elapsed)
+                      measured_speedup_over_plain={f"{d}x{n}": g for (d, n), (g, _) in paired.items()},
+                      best_estimate={"depth": pick[0], "total_tokens": pick[1]}, candidates=table,
+                      tuning_s=clock.elapsed)
         return choice
     finally:
-        gen._tuning = was_tuning
         clock.close()
+
+
+def shapes(choice: dict, lookup: int = 0, count: int = 3) -> list[Shape]:
+    """The tree shapes adaptation switches between (:class:`griffin.adapt.ShapePolicy`) for a tuning record: the tree
+    it chose (where it chose none, its best estimate), then up to ``count - 1`` smaller ones, each the best depth for
+    at most half the nodes of the one before; with the tuner's expected tau and cost relative to a plain step."""
+    # trees expected to accept something
+    useful = [r for r in choice.get("candidates") or [] if r["total_tokens"] > 0 and r["depth"] > 0 and r["tau"] > 1]
+    best: dict[int, dict] = {}  # total_tokens -> the row of the best depth for it
+    for row in useful:
+        if row["speedup"] > best.get(row["total_tokens"], {"speedup": 0})["speedup"]:
+            best[row["total_tokens"]] = row
+    if not best:
+        return []
+    chosen = (choice["depth"], choice["total_tokens"])
+    first = next((r for r in useful if (r["depth"], r["total_tokens"]) == chosen), None)
+    if first is None:
+        estimate = choice.get("best_estimate") or {}
+        first = best.get(estimate.get("total_tokens"), max(best.values(), key=lambda r: r["speedup"]))
+    rows = [first]
+    while len(rows) < count:
+        smaller = [total for total in best if total <= rows[-1]["total_tokens"] // 2]
+        if not smaller:
+            break
+        rows.append(best[max(smaller)])
+    return [Shape(r["depth"], r["total_tokens"], r["tau"], r["tau"] / r["speedup"], max(r["depth"], lookup) + 1)
+            for r in rows]
 
 
 def tuning_record(gen, temperature: float) -> dict | None:
@@ -349,17 +407,19 @@ def tuning_record(gen, temperature: float) -> dict | None:
 
 
 def checked_choice(choice: dict) -> dict:
-    """A tuning record whose tree the generator can use (ValueError naming the field otherwise)."""
-    check_integer(choice, "depth", 1, MAX_DEPTH)
-    check_integer(choice, "top_k", 1)
+    """A tuning record whose tree the generator can use (ValueError naming the field otherwise): depth 0 only with no
+    tree at all (the plain loop chosen over a lookup chain too)."""
     check_integer(choice, "total_tokens", 0, MAX_TOTAL)
+    check_integer(choice, "depth", 0 if choice["total_tokens"] == 0 else 1, MAX_DEPTH)
+    check_integer(choice, "top_k", 1)
     return choice
 
 
-def _describe(choice: dict) -> str:
+def describe(choice: dict) -> str:
+    """A tuning record's choice in words, e.g. ``6 nodes, depth 3 + lookup 10 at T=1.0``."""
     lookup, temperature = choice.get("lookup", 0), choice.get("temperature", 0)
     tree = (choice["depth"], choice["total_tokens"])
-    return (("no draft tree" if tree == NO_TREE else f"{tree[1]} nodes, depth {tree[0]}")
+    return ((_name(tree, lookup) if tree in (PLAIN, NO_TREE) else f"{tree[1]} nodes, depth {tree[0]}")
             + (f" + lookup {lookup}" if lookup else "") + (f" at T={temperature}" if temperature else ""))
 
 
@@ -372,13 +432,101 @@ def autotune(gen, retune: bool = False, budget_s: float | None = None,
     choice = None if retune else read_cached(path, "tuning record", checked_choice, "tuning again")
     if choice is not None:
         log.info("draft tree: %s (tuned for this machine on %s; --retune measures again, --total-tokens N fixes "
-                 "it)", _describe(choice), choice.get("tuned_at"))
+                 "it)", describe(choice), choice.get("tuned_at"))
         return choice["depth"], choice["top_k"], choice["total_tokens"]
     log.info("tuning the draft tree for this machine and head%s (at most %.0f s, once; --total-tokens N skips it)",
              f" at T={temperature}" if temperature else "", budget_s or BUDGET_S)
     choice = tune(gen, budget_s, temperature=temperature)
     choice["tuned_at"] = time.strftime("%Y-%m-%d %H:%M")
     cached_in = f"cached in {path}" if write_cached(path, choice, "tuning record") else "not cached"
-    log.info("draft tree: %s, chosen in %.0f s: %s (%s)", _describe(choice), choice["tuning_s"],
+    log.info("draft tree: %s, chosen in %.0f s: %s (%s)", describe(choice), choice["tuning_s"],
              choice["reason"], cached_in)
     return choice["depth"], choice["top_k"], choice["total_tokens"]
+
+
+CALIBRATION_TOKENS = 64
+MAX_GAMMA = 8
+
+
+def _tuning_key(gen, temperature: float) -> str:
+    lm = gen.draft.model
+    probe = [p.detach().float().flatten()[:4096].cpu() for p in list(lm.parameters())[:8]]
+    parts = [target_fingerprint(gen.target.config), str(gen.backend.lm_head.weight.dtype), str(gen.device),
+             cpu_name(), str(torch.get_num_threads()), str(gen.weight_major.max_rows),
+             gen.weight_major.describe(), str(lm.num_parameters()),
+             str(None if gen.draft.vocab is None else len(gen.draft.vocab)), f"T={temperature}",
+             hashlib.sha256(torch.cat(probe).numpy().tobytes()).hexdigest()[:16]]
+    return "draft-lm-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
+
+
+@torch.inference_mode()
+def draft_step_cost(draft: DraftLM, context: int = 256, repeats: int = 9) -> float:
+    """Median seconds of one draft step (one token after ``context`` cached ones)."""
+    cache = BufferCache(draft.num_layers, context + repeats)
+    ids = torch.randint(0, draft.target_width, (context + repeats,), device=draft.device)
+    draft.forward(ids[:context], torch.arange(context, device=draft.device), cache)
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        draft.forward(ids[context + i : context + i + 1], torch.tensor([context + i], device=draft.device), cache)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[repeats // 2]
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Tokens per cycle of a chain of γ at per-token acceptance rate α: ``(1 − α^{γ+1}) / (1 − α)``."""
+    return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def measured_alpha(hist: dict[int, int], gamma: int) -> float:
+    """Per-token acceptance rate from a histogram of tokens emitted per cycle with chains of γ: accepted drafted
+    tokens / drafted tokens the target judged (a chain is judged up to its first rejection)."""
+    accepted = sum((count - 1) * n for count, n in hist.items())
+    rejected = sum(n for count, n in hist.items() if count - 1 < gamma)
+    return accepted / max(accepted + rejected, 1)
+
+
+def _checked_gamma(record: dict) -> dict:
+    check_integer(record, "gamma", 1)
+    return record
+
+
+def tune_gamma(gen, max_gamma: int = MAX_GAMMA, temperature: float = 0.0, retune: bool = False) -> dict:
+    """A standalone draft LM's γ with the best expected speedup ``τ(γ)·t(1) / (γ·draft + t(γ+1))`` on this machine for
+    generations at ``temperature``: the target's forward-cost curve t(n), the draft's step cost, and α measured on
+    calibration prompts at the temperature's band (:func:`temperature_band`; sampled with fixed seeds), cached per
+    machine and band; ``retune`` measures again."""
+    temperature = temperature_band(temperature)
+    path = cache_dir() / "autotune" / f"{_tuning_key(gen, temperature)}.json"
+    cached = None if retune else read_cached(path, "tuning record", _checked_gamma, "tuning again")
+    if cached is not None:
+        return cached
+    log.info("tuning the draft LM's chain length for this machine%s (once; cached in %s)",
+             f" at T={temperature}" if temperature else "", path)
+    costs = forward_cost(gen, list(range(1, max_gamma + 2)))
+    step = draft_step_cost(gen.draft)
+    hist: dict[int, int] = {}
+    for seed, ids in enumerate(_calibration_prompts(gen)):
+        stats = GenerationStats()
+        sampling, generator = calibration_sampling(gen, temperature, seed)
+        capacity = ids.shape[0] + CALIBRATION_TOKENS
+        cache = BufferCache(gen.num_layers, capacity + max_gamma + 1)
+        drafter = DraftLMDrafter(gen.draft, max_gamma, capacity)
+        for _ in decode(gen.backend, drafter, ids, CALIBRATION_TOKENS, sampling, gen.eos_ids(None), generator, stats,
+                        cache):
+            pass
+        for count, n in stats.accepted_hist.items():
+            hist[count] = hist.get(count, 0) + n
+    # cycles cut short by EOS or the budget emit fewer tokens without a rejection; they are few and count as one
+    alpha = measured_alpha(hist, max_gamma)
+    table = [{"gamma": g, "tau": expected_tokens(alpha, g),
+              "speedup": expected_tokens(alpha, g) * costs[1] / (g * step + costs[g + 1])}
+             for g in range(1, max_gamma + 1)]
+    best = max(table, key=lambda row: row["speedup"])
+    choice = {"gamma": best["gamma"], "temperature": temperature, "alpha": alpha, "expected_tau": best["tau"],
+              "expected_speedup_vs_plain_forward": best["speedup"], "draft_step_s": step,
+              "forward_cost_s": costs, "candidates": table}
+    write_cached(path, choice, "tuning record")
+    log.info("draft LM: gamma %d%s (alpha %.2f, expected tau %.2f)", best["gamma"],
+             f" at T={temperature}" if temperature else "", alpha, best["tau"])
+    return choice

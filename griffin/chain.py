@@ -70,7 +70,7 @@ def chain_accept_greedy(tokens: Tensor, p_logits: Tensor) -> tuple[Tensor, Tenso
 
 
 class ChainVerifier:
-    """The verifier of chain proposals from a draft LM (:class:`griffin.draft_lm.DraftLMDrafter`): the p/q chain rule
+    """The verifier of chain proposals from a draft LM (:class:`griffin.drafters.DraftLMDrafter`): the p/q chain rule
     on the target's warped logits and ``tree.q`` (greedy: the argmax rule, no q needed)."""
 
     def __init__(self, cfg: SamplingConfig, generator: torch.Generator | None):

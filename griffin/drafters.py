@@ -1,46 +1,35 @@
-"""Drafters propose tokens each cycle; a verifier decides which the target accepts. The one generation loop
-(``SpecGenerator._steps``) runs, per cycle::
-
-    tree = drafter.propose(token)                       # a Tree (griffin.tree): tokens, ancestor mask, depths, q
-    hidden, logits = backend.forward(tree.tokens, n + tree.depths, tree.ancestors)    # the target, one pass
-    acceptance = verifier.accept(tree, logits)          # griffin.verify: path, length, bonus (on the device)
-    backend.cache.keep(n, n + acceptance.path)          # KV compaction, one index copy
-    ... the emitted tokens go to the host (the cycle's one host sync) ...
-    drafter.accept(emitted, hidden[path[:count]])
-
-A drafter is any object with:
-
-- ``depth: int`` and ``total_tokens: int``: every proposal has exactly ``total_tokens + 1`` nodes (root included;
-  pad with :func:`griffin.tree.build_tree` / :func:`griffin.tree.chain`) and no node deeper than ``depth``, so the
-  shapes of a cycle never change;
-- ``start(ids, hidden, token)``: the prompt ids [P], the target's features of the prompt [P, H], the first new token
-  [1] (drafters with their own model, e.g. a draft LM, prefill it here);
-- ``propose(token) -> Tree``: a tree rooted at ``token`` (the newest token, not yet seen by the target), built with
-  tensor operations only (no ``.item()``, ``.tolist()``, ``nonzero`` or boolean indexing: the loop allows one host
-  sync per cycle). A drafter that samples its tokens sets ``tree.q`` for rules that need the draft probabilities;
-- ``accept(tokens, hidden)``: the tokens emitted this cycle [n] and the target's features of the positions that
-  produced them [n, H];
-- optionally ``verifier(sampling, generator) -> Verifier``: the acceptance rule its proposals need (default:
-  :func:`griffin.verify.default_verifier`, greedy or the fixed-token tree rule). A draft LM that samples a chain
-  returns the p/q chain rule there (see :mod:`griffin.verify`).
+"""Drafters propose the tokens of each cycle; a verifier decides which the target accepts (the cycle:
+``docs/design.md``; the protocol: :class:`griffin.verify.Drafter`).
 
 :class:`HeadDrafter` drafts with a trained head (EAGLE-2 dynamic tree). :class:`PromptLookup` adds to another
 drafter's tree a chain copied from the context (prompt lookup), for text that repeats what came before.
-:class:`NoDraft` proposes nothing (plain decoding through the same loop; prompt lookup alone inside
-:class:`PromptLookup`). :class:`OracleDrafter` knows the answer in advance and measures the engine's ceiling.
+:class:`NoDraft` proposes nothing (prompt lookup alone inside :class:`PromptLookup`; with no chain the generator runs
+the plain loop instead). :class:`DraftLMDrafter` samples chains with a standalone draft LM (classic speculative
+sampling). :class:`OracleDrafter` knows the answer in advance and measures the engine's ceiling.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .chain import ChainVerifier
 from .draft import DraftModel, DraftOutput
-from .kv_cache import DraftCache
+from .draft_lm import DraftLM
+from .kv_cache import BufferCache, DraftCache
+from .sampling import SamplingConfig, greedy, sample, warp
 from .tree import Tree, build_tree, chain, draft_tree, graft
 from .verify import default_verifier
 from .vocab import DraftVocab
 
 MAX_CONTEXT_VOCAB = 2048  # default slots for context tokens in a reduced draft vocabulary
+
+
+def head_drafter(draft: DraftModel, depth: int, top_k: int, total_tokens: int, capacity: int,
+                 lookup: int = 0) -> HeadDrafter | PromptLookup:
+    """A new :class:`HeadDrafter` for a generation of up to ``capacity`` positions, inside a :class:`PromptLookup` of
+    ``lookup`` tokens when ``lookup`` > 0."""
+    head = HeadDrafter(draft, depth, top_k, total_tokens, capacity)
+    return PromptLookup(head, lookup, capacity) if lookup else head
 
 
 def tree_nodes(depth: int, top_k: int, total_tokens: int) -> int:
@@ -74,6 +63,13 @@ class HeadDrafter:
             self.cache = DraftCache(cfg.num_key_value_heads, cfg.head_dim, needed, weight.dtype, weight.device)
         self.cache.length = 0
         self.vocab.reserve(context_tokens or -(-min(capacity, MAX_CONTEXT_VOCAB) // 256) * 256)
+
+    def resize(self, depth: int, total_tokens: int) -> None:
+        """Draft trees of another shape from the next proposal on, keeping what was read (no deeper than the depth
+        :meth:`prepare` made room for)."""
+        if depth * self.top_k > self.cache.keys.shape[2] - self.cache.length:
+            raise ValueError(f"depth {depth} needs a draft cache prepared for it")
+        self.depth, self.total_tokens = depth, tree_nodes(depth, self.top_k, total_tokens)
 
     @torch.inference_mode()
     def start(self, ids: torch.Tensor, hidden: torch.Tensor, token: torch.Tensor) -> None:
@@ -123,10 +119,18 @@ class PromptLookup:
         if tokens < 1 or not ngrams or min(ngrams) < 1:
             raise ValueError("prompt lookup needs tokens >= 1 and n-gram sizes >= 1")
         self.inner, self.tokens, self.ngrams = inner, tokens, sorted(set(ngrams), reverse=True)
-        self.depth = max(inner.depth, tokens)
-        self.total_tokens = inner.total_tokens + tokens
+        self._shape()
         self.context = torch.zeros(capacity + 1, dtype=torch.long)  # every token so far, the root last
         self.length = 0
+
+    def _shape(self) -> None:
+        self.depth = max(self.inner.depth, self.tokens)
+        self.total_tokens = self.inner.total_tokens + self.tokens
+
+    def resize(self, depth: int, total_tokens: int) -> None:
+        """The inner drafter's tree takes another shape (:meth:`HeadDrafter.resize`); the chain stays."""
+        self.inner.resize(depth, total_tokens)
+        self._shape()
 
     def verifier(self, sampling, generator):
         choose = getattr(self.inner, "verifier", None)
@@ -170,6 +174,72 @@ class PromptLookup:
             found = found | hits.any()
         at = start + torch.arange(self.tokens, device=device)
         return context[at.clamp(max=n_ctx - 1)], found & (at < n_ctx)
+
+
+class DraftLMDrafter:
+    """Classic speculative sampling's drafter: the draft LM samples a chain of ``gamma`` tokens with its own KV cache
+    (greedy: its argmax chain); the proposal carries the draft's warped distributions q for the p/q chain rule.
+
+    The draft cache holds every emitted token the draft has read. A proposal feeds the tokens it has not read yet
+    (the prompt at the first cycle, the last drafted token after a fully accepted chain, and the root), then
+    ``gamma - 1`` drafted tokens; :meth:`accept` keeps the accepted ones and drops the rest.
+    """
+
+    def __init__(self, draft: DraftLM, gamma: int, capacity: int):
+        self.draft = draft
+        self.cache: BufferCache | None = None
+        self.sampling, self.generator = SamplingConfig(), None
+        self.prepare(gamma, capacity)
+
+    def prepare(self, gamma: int, capacity: int) -> None:
+        """Set γ and make room for a generation of up to ``capacity`` positions (the cache buffers are reused)."""
+        self.depth = self.total_tokens = gamma
+        needed = capacity + gamma + 2
+        if self.cache is None:
+            self.cache = BufferCache(self.draft.num_layers, needed)
+        self.cache.prepare(needed)
+        self.unread = torch.zeros(0, dtype=torch.long, device=self.draft.device)
+        self.read = 0  # cache length after the fed tokens of the last proposal
+
+    def verifier(self, sampling: SamplingConfig, generator: torch.Generator | None) -> ChainVerifier:
+        """The p/q chain rule; the drafter samples its own tokens with the same settings and generator."""
+        self.sampling, self.generator = sampling, generator
+        return ChainVerifier(sampling, generator)
+
+    def start(self, ids: torch.Tensor, hidden: torch.Tensor, token: torch.Tensor) -> None:
+        self.cache.crop(0)
+        self.unread = ids
+
+    @torch.inference_mode()
+    def propose(self, token: torch.Tensor) -> Tree:
+        fed = torch.cat((self.unread, token))
+        start = self.cache.length
+        self.read = start + fed.shape[0]
+        logits = self.draft.forward(fed, torch.arange(start, self.read, device=fed.device), self.cache)
+        picks, qs = [], []
+        for i in range(self.depth):
+            if self.sampling.greedy:
+                pick = greedy(logits, keepdim=True)  # [1]
+            else:
+                probs = warp(logits, self.sampling)  # [V']
+                pick = sample(probs, self.generator).view(1)
+                qs.append(probs)
+            picks.append(pick)
+            if i < self.depth - 1:
+                position = torch.full((1,), self.read + i, dtype=torch.long, device=fed.device)
+                logits = self.draft.forward(self.draft.to_target(pick), position, self.cache)
+        tokens = self.draft.to_target(torch.cat(picks))  # [γ]
+        self.drafted = tokens
+        q = None
+        if qs:
+            q = self.draft.full(torch.stack(qs))  # [γ, V]
+            q = torch.cat((q, q.new_zeros(1, q.shape[1])))  # row γ: nothing is sampled after the last token
+        return chain(token, tokens, q=q)
+
+    def accept(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        accepted = tokens.shape[0] - 1  # drafted tokens accepted (the last emitted token is the target's)
+        self.cache.crop(self.read + min(accepted, self.depth - 1))
+        self.unread = self.drafted[self.depth - 1 :] if accepted == self.depth else self.drafted[:0]
 
 
 class OracleDrafter:

@@ -1,11 +1,8 @@
 """SpecGenerator: speculative generation with a draft head, exactly the target's output.
 
-One cycle (:meth:`SpecGenerator._steps`, the one generation loop): a drafter proposes a tree (:mod:`griffin.drafters`,
-:mod:`griffin.tree`), the target verifies every node in one forward pass (:mod:`griffin.backend`: 4D tree mask,
-position ids, a static KV buffer), a verifier picks the accepted path and the bonus token (:mod:`griffin.verify`), the
-KV entries of that path are compacted with one index copy, and the drafter reads the target's features of the
-accepted tokens before drafting again. Everything stays on the model's device; the emitted tokens go to the host once
-per cycle, and nothing else waits for the device unless timing is asked for.
+The generator holds the target's backend, the head and the tree's settings, and runs the one decode loop
+(:func:`griffin.decode.decode`; the cycle and its invariants: ``docs/design.md``), with the tree tuned per temperature
+band (:mod:`griffin.autotune`) and adapted per request (:mod:`griffin.adapt`).
 """
 
 from __future__ import annotations
@@ -14,28 +11,31 @@ import logging
 import math
 import numbers
 import os
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .adapt import Shape, ShapePolicy
+from .autotune import autotune, shapes, temperature_band, tune_gamma, tuning_record
 from .backend import TargetBackend
 from .chat_template import check_messages, prompt_ids
 from .compat import check_compatible
+from .decode import GenerationStats, decode
 from .draft import DraftModel
-from .draft_lm import DraftLM, DraftLMDrafter, load_draft_lm
-from .drafters import HeadDrafter, NoDraft, PromptLookup
+from .draft_lm import DraftLM, load_draft_lm
+from .drafters import DraftLMDrafter, HeadDrafter, NoDraft, PromptLookup
 from .family import check_target
 from .hub import hub_id, resolve
 from .kv_cache import BufferCache
-from .sampling import SamplingConfig, sample_token
+from .sampling import SamplingConfig
 from .target import EMBEDDED_TARGET, load_target, resolve_device, resolve_dtype, resolve_target_path
-from .tree import Tree
 from .turns import one_thread_at_a_time
-from .verify import Verifier, default_verifier
+from .verify import Drafter, Verifier
+
+__all__ = ["GenerationResult", "GenerationStats", "SpecGenerator"]
 
 log = logging.getLogger(__name__)
 CHECKPOINTS = Path(os.environ.get("GRIFFIN_CHECKPOINTS", Path(__file__).resolve().parent.parent / "checkpoints"))
@@ -43,53 +43,10 @@ DEFAULT_HEADS = {EMBEDDED_TARGET: "smollm2-135m-instruct-griffin"}
 
 
 @dataclass
-class GenerationStats:
-    new_tokens: int = 0
-    cycles: int = 0  # target verification passes (the prefill is not a cycle)
-    accepted_hist: dict[int, int] = field(default_factory=dict)  # tokens emitted per cycle (bonus included) -> count
-    # the split of the time below is measured only with timing on (SpecGenerator(timing=True)): it synchronises
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    other_s: float = 0.0
-    prefill_s: float = 0.0
-    wall_s: float = 0.0  # time spent generating (not by the consumer of the stream), always measured
-
-    @property
-    def tau(self) -> float:
-        """Acceptance length: new tokens per verification pass."""
-        return self.new_tokens / self.cycles if self.cycles else float(self.new_tokens)
-
-    def as_dict(self) -> dict:
-        return {"new_tokens": self.new_tokens, "cycles": self.cycles, "tau": self.tau,
-                "accepted_hist": dict(sorted(self.accepted_hist.items())), "draft_s": self.draft_s,
-                "verify_s": self.verify_s, "other_s": self.other_s, "prefill_s": self.prefill_s, "wall_s": self.wall_s}
-
-
-@dataclass
 class GenerationResult:
     sequences: torch.Tensor  # [1, prompt + new] like transformers' generate
     stats: GenerationStats
     text: str = ""  # the decoded new tokens
-
-
-class _Clock:
-    """Adds the time since the last lap to a stats field; synchronises the device so that the split is honest.
-    Disabled (``enabled=False``), a lap does nothing at all."""
-
-    def __init__(self, device: torch.device, stats: GenerationStats, enabled: bool):
-        self.sync = device.type == "cuda"
-        self.stats, self.enabled = stats, enabled
-        self.t = time.perf_counter()
-
-    def lap(self, name: str | None = None) -> None:
-        if not self.enabled:
-            return
-        if self.sync:
-            torch.cuda.synchronize()
-        now = time.perf_counter()
-        if name is not None:
-            setattr(self.stats, name, getattr(self.stats, name) + now - self.t)
-        self.t = now
 
 
 class SpecGenerator:
@@ -135,7 +92,8 @@ class SpecGenerator:
         self._retune = False  # measure each band again once (retune=True) instead of reading this machine's record
         self._retuned: set[float] = set()  # the bands measured again so far
         self._band: float | None = None  # the temperature band the current tree (or gamma) was tuned for
-        self._tuning = False  # the tree tuner is running: its own generations keep the trees it sets
+        self.adapt = True  # with a tuned tree, resize it per request from the tuner's shapes (griffin.adapt)
+        self._shapes: list[Shape] = []  # the tuner's shapes for the current band (none for a fixed tree)
 
     @classmethod
     def from_pretrained(cls, target: str | os.PathLike | PreTrainedModel = EMBEDDED_TARGET,
@@ -147,16 +105,18 @@ class SpecGenerator:
                         compile: str | dict | None = None,
                         draft_model: str | os.PathLike | PreTrainedModel | None = None,
                         gamma: int | str = "auto", retune: bool = False, lookup: int = 0,
-                        revision: str | None = None, draft_revision: str | None = None, token: str | bool | None = None,
-                        cache_dir: str | os.PathLike | None = None) -> SpecGenerator:
+                        revision: str | None = None, draft_revision: str | None = None,
+                        token: str | bool | None = None, cache_dir: str | os.PathLike | None = None,
+                        draft_tokenizer: PreTrainedTokenizerBase | None = None, adapt: bool = True) -> SpecGenerator:
         """``target``: a name (``smollm2-135m-instruct``), a local HF folder or a loaded model (moved to ``device``
         and cast to ``dtype`` when given; its tokenizer is then found locally from the name it was loaded under, or
         pass ``tokenizer``); ``draft``: a head folder, a :class:`DraftModel`, or None for the head shipped for the
         target. ``total_tokens="auto"`` (the default) picks the tree size and depth that maximise the speedup on this
         machine (measured once in under a minute, then cached; ``retune=True`` measures again), overriding
-        ``depth``; pass an int to fix the tree and skip tuning (0: no tree, plain decoding through the same loop, or
-        prompt lookup alone with ``lookup``; the tuner picks it where no tree pays for itself). The tree is tuned per
-        temperature band (sampling accepts less than greedy decoding): for greedy decoding when loaded, and for a
+        ``depth``; pass an int to fix the tree and skip tuning (0: no tree, the plain loop's own steps and kernels,
+        :func:`griffin.plain.plain_steps`, or prompt lookup alone with ``lookup``; the tuner picks the plain loop
+        where no tree beats it by more than the measured noise). The tree is tuned per temperature band (sampling
+        accepts less than greedy decoding): for greedy decoding when loaded, and for a
         sampled band the first time a generation asks for it (:meth:`tune_for`).
         ``draft_dtype="auto"`` runs the head in bf16 where the hardware computes it natively (see
         :func:`fast_draft_dtype`); the head's dtype changes which tokens are drafted, never the output.
@@ -171,7 +131,8 @@ class SpecGenerator:
         ``python -m training.distill``) or a loaded HF causal LM that uses the target's tokenizer (checked first:
         :func:`griffin.compat.check_compatible`). It drafts chains of ``gamma`` tokens; ``gamma="auto"`` (the default)
         picks the length with the best expected speedup from measured costs and acceptance (cached and tuned per
-        temperature band, like the tree size).
+        temperature band, like the tree size). ``draft_tokenizer``: the loaded draft model's tokenizer (like
+        transformers' ``assistant_tokenizer=``; default: the one saved in the folder it was loaded from).
 
         ``lookup``: add to every head tree a chain of this many tokens copied from the context (prompt lookup,
         :class:`griffin.drafters.PromptLookup`), which the target verifies in the same pass; 0 (the default) adds
@@ -182,6 +143,9 @@ class SpecGenerator:
         target at ``revision``, the head or draft LM at ``draft_revision``, both with ``token`` and ``cache_dir``
         (default: the Hub's own settings, ``HF_TOKEN``, ``HF_HUB_CACHE``). A local folder of the same spelling wins.
         A head may be in this package's layout or the official EAGLE / GRIFFIN one.
+        ``adapt`` (with ``total_tokens="auto"``): each generation resizes the tree from the tuner's shapes as it goes,
+        down to the plain loop when its running acceptance does not pay for a tree, and back up when it recovers
+        (:mod:`griffin.adapt`; per request, nothing cached); False keeps the tuned tree throughout.
 
         The output is the target's own: greedy tokens equal ``transformers``' ``generate`` on the same model, dtype
         and device (see :mod:`griffin.family` for what "identical" means in bf16 on GPUs); targets whose family
@@ -192,6 +156,8 @@ class SpecGenerator:
         check_lookup(lookup)
         if lookup and draft_model is not None:
             raise ValueError("lookup adds a chain to a head's tree: it does not combine with draft_model")
+        if draft_tokenizer is not None and not isinstance(draft_model, PreTrainedModel):
+            raise ValueError("draft_tokenizer goes with a loaded draft_model (a folder brings its own tokenizer)")
         hub = dict(revision=draft_revision, token=token, cache_dir=cache_dir)  # Hub ids: fetched before the target
         if draft_model is not None and not isinstance(draft_model, PreTrainedModel):
             draft_model = resolve(draft_model, kind="draft LM", **hub)
@@ -211,7 +177,7 @@ class SpecGenerator:
         check_target(model)
         if draft_model is not None:
             return cls._with_draft_lm(model, tokenizer, draft_model, gamma, draft_dtype, weight_major_rows, timing,
-                                      compile, retune)
+                                      compile, retune, draft_tokenizer)
         if draft is None:
             draft = default_head(target_name)
         draft_path = None
@@ -224,7 +190,7 @@ class SpecGenerator:
                   total_tokens, draft_dtype=resolve_dtype(draft_dtype), weight_major_rows=weight_major_rows,
                   timing=timing, compile=compile)
         gen.draft_path = draft_path
-        gen.lookup = lookup
+        gen.lookup, gen.adapt = lookup, adapt
         if total_tokens == "auto":
             gen.follow_temperature(retune)
         return gen
@@ -233,17 +199,19 @@ class SpecGenerator:
     def _with_draft_lm(cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                        draft_model: str | os.PathLike | PreTrainedModel, gamma: int | str,
                        draft_dtype: str | torch.dtype | None, weight_major_rows: int | None,
-                       timing: bool, compile: str | dict | None, retune: bool) -> SpecGenerator:
+                       timing: bool, compile: str | dict | None, retune: bool,
+                       draft_tokenizer: PreTrainedTokenizerBase | None) -> SpecGenerator:
         device = next(model.parameters()).device
         dtype = None if draft_dtype == "auto" else resolve_dtype(draft_dtype)
         vocab, draft_path = None, None
         if isinstance(draft_model, PreTrainedModel):
             lm = draft_model.to(device=device, dtype=dtype).eval()
             source = lm.config._name_or_path or ""
-            if not (Path(source) / "tokenizer_config.json").is_file() and hub_id(source) is None:
-                raise ValueError("the draft model was not loaded from a folder with its tokenizer, which the "
-                                 "compatibility check needs: save it with its tokenizer and pass the folder")
-            draft_tokenizer = AutoTokenizer.from_pretrained(source)
+            if draft_tokenizer is None:
+                if not (Path(source) / "tokenizer_config.json").is_file() and hub_id(source) is None:
+                    raise ValueError("the draft model was not loaded from a folder with its tokenizer, which the "
+                                     "compatibility check needs: pass draft_tokenizer=<its tokenizer>")
+                draft_tokenizer = AutoTokenizer.from_pretrained(source)
         else:
             draft_path = Path(draft_model)
             lm, draft_tokenizer, vocab = load_draft_lm(draft_path, dtype=dtype, device=device)
@@ -269,19 +237,18 @@ class SpecGenerator:
 
     @one_thread_at_a_time  # its measuring generations run the target too
     def tune_for(self, temperature: float) -> None:
-        """Use the tree (gamma) tuned for ``temperature``'s band, measuring it first (about 30 s, once per machine)
-        if it was never tuned here. A no-op unless :meth:`follow_temperature` is on (``total_tokens="auto"``)."""
-        from .autotune import autotune, temperature_band
-        from .draft_lm import tune_gamma
-
+        """Use the tree (gamma) tuned for ``temperature``'s band, measuring it first (under a minute, once per machine)
+        if it was never tuned here, and the shapes adaptation may switch between. A no-op unless
+        :meth:`follow_temperature` is on (``total_tokens="auto"``)."""
         band = temperature_band(temperature)
-        if not self.autotuned or self._tuning or band == self._band:
+        if not self.autotuned or band == self._band:
             return
         retune = self._retune and band not in self._retuned
         if isinstance(self.draft, DraftLM):
             self.gamma = tune_gamma(self, temperature=band, retune=retune)["gamma"]
         else:
             self.depth, self.top_k, self.total_tokens = autotune(self, retune=retune, temperature=band)
+            self._shapes = shapes(tuning_record(self, band) or {}, self.lookup)
         self._retuned.add(band)
         self._band = band
 
@@ -327,15 +294,14 @@ class SpecGenerator:
             raise ValueError(f"eos_token_id must be an integer or a list of integers, got {eos_token_id!r}")
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
-    # --- target ------------------------------------------------------------------------------------------------------
-
-    def _target_forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
-                        cache: BufferCache, last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [q] at positions [q], allowed [q, q] among them (all past entries visible) -> hidden [q, H] and
-        logits [q, V] (or [1, V] for the last position only). See :meth:`TargetBackend.forward`."""
-        return self.backend.forward(tokens, positions, tree_mask, cache, last_logits_only)
-
     # --- generation ----------------------------------------------------------------------------------------------
+
+    @property
+    def plain(self) -> bool:
+        """Whether generations draft nothing (no tree, no chain; depth 0: the tuner chose the plain loop over the
+        chain too): they run the plain loop (:func:`griffin.plain.plain_steps`)."""
+        return (not isinstance(self.draft, DraftLM) and self.total_tokens == 0
+                and (self.lookup == 0 or self.depth == 0))
 
     def make_drafter(self, capacity: int, shared: bool = True) -> HeadDrafter | PromptLookup | DraftLMDrafter:
         """The drafter, prepared for one generation of up to ``capacity`` positions (a head's wrapped in
@@ -349,90 +315,48 @@ class SpecGenerator:
             else:
                 self._drafter.prepare(self.gamma, capacity)
             return self._drafter
-        if self.total_tokens == 0:
+        depth, total = self.depth, self.total_tokens
+        if self.adapting:  # room for the largest shape adaptation may take
+            depth, total = max(s.depth for s in self._shapes), max(s.total_tokens for s in self._shapes)
+        if total == 0:
             head = NoDraft()
         elif not shared:
-            head = HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
+            head = HeadDrafter(self.draft, depth, self.top_k, total, capacity)
         elif self._drafter is None or self._drafter.draft is not self.draft:
-            head = self._drafter = HeadDrafter(self.draft, self.depth, self.top_k, self.total_tokens, capacity)
+            head = self._drafter = HeadDrafter(self.draft, depth, self.top_k, total, capacity)
         else:
             head = self._drafter
-            head.prepare(self.depth, self.top_k, self.total_tokens, capacity)
+            head.prepare(depth, self.top_k, total, capacity)
         return PromptLookup(head, self.lookup, capacity) if self.lookup else head
 
-    @torch.inference_mode()
-    def _steps(self, ids: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig, eos: torch.Tensor,
-               generator: torch.Generator | None, stats: GenerationStats, drafter=None,
-               trace: list | None = None, verifier: Verifier | None = None) -> Iterator[torch.Tensor]:
-        """Yield the new tokens of each cycle (a CPU LongTensor [n]) until EOS or the token budget.
+    @property
+    def adapting(self) -> bool:
+        """Whether generations adapt the tree: a tuned head tree (its shapes measured) with ``adapt`` on."""
+        return self.adapt and bool(self._shapes) and not isinstance(self.draft, DraftLM)
 
-        Per cycle: ``drafter.propose`` -> one target forward -> ``verifier.accept`` -> KV compaction ->
-        ``drafter.accept``. One host sync per cycle (the emitted tokens, with their count and the stop flag); all
-        else, EOS and budget checks included, is tensor work on the model's device. ``trace``, if given, receives
-        ``(tree, path)`` of every cycle (used to tune the tree size).
-        """
+    def _steps(self, ids: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig, eos: torch.Tensor,
+               generator: torch.Generator | None, stats: GenerationStats, drafter: Drafter | None = None,
+               trace: list | None = None, verifier: Verifier | None = None) -> Iterator[torch.Tensor]:
+        """Yield the new tokens of each cycle (a CPU LongTensor [n]) until EOS or the token budget, through
+        :func:`griffin.decode.decode` with this generator's KV buffer and drafter (``drafter``: another one for this
+        call). ``trace``, if given, receives ``(tree, path)`` of every tree cycle."""
         # the KV buffer and the head's drafter are reused across generations, unless another one is still running
         shared = not self._busy
         self._busy = True
         try:
-            yield from self._cycles(ids, max_new_tokens, sampling, eos, generator, stats, drafter, trace, verifier,
-                                    shared)
+            p = ids.shape[0]
+            policy = None
+            if drafter is None and (self.adapting or not self.plain):
+                drafter = self.make_drafter(p + max_new_tokens, shared)
+                if self.adapting:
+                    policy = ShapePolicy(self._shapes, plain_first=self.plain)
+            max_len = p + max_new_tokens + (drafter.total_tokens if drafter is not None else 0) + 1
+            cache = self.backend.prepare(max_len) if shared else BufferCache(self.num_layers, max_len)
+            yield from decode(self.backend, drafter, ids, max_new_tokens, sampling, eos, generator, stats, cache,
+                              verifier=verifier, policy=policy, timing=self.timing, trace=trace)
         finally:
             if shared:
                 self._busy = False
-
-    def _cycles(self, ids, max_new_tokens, sampling, eos, generator, stats, drafter, trace, verifier, shared):
-        clock = _Clock(self.device, stats, self.timing)
-        started = time.perf_counter()
-        p = ids.shape[0]
-        drafter = drafter or self.make_drafter(p + max_new_tokens, shared)
-        if verifier is None:
-            choose = getattr(drafter, "verifier", None)
-            verifier = choose(sampling, generator) if choose else default_verifier(sampling, generator)
-        max_len = p + max_new_tokens + drafter.total_tokens + 1
-        cache = self.backend.prepare(max_len) if shared else BufferCache(self.num_layers, max_len)
-        hidden, logits = self.backend.prefill(ids, cache)
-        token = sample_token(logits[-1], sampling, generator)  # [1]
-        first, first_is_eos = torch.cat((token, torch.isin(token, eos).long())).tolist()  # host sync
-        clock.lap("prefill_s")
-        stats.new_tokens = 1
-        stats.wall_s += time.perf_counter() - started
-        yield torch.tensor([first])
-        started = time.perf_counter()
-        if max_new_tokens == 1 or first_is_eos:
-            return
-        clock.lap()
-        drafter.start(ids, hidden, token)
-        clock.lap("draft_s")
-        n = p  # position of the root: the newest token, not yet seen by the target
-        while True:
-            tree: Tree = drafter.propose(token)
-            clock.lap("draft_s")
-            hidden, logits = self.backend.forward(tree.tokens, n + tree.depths, tree.ancestors, cache)
-            clock.lap("verify_s")
-            accepted = verifier.accept(tree, logits)
-            cache.keep(n, n + accepted.path)  # the accepted entries (and padding) right after the context
-            out = accepted.emitted(tree)  # [D+1]
-            count, stop = emitted_count(out, accepted.length, eos, max_new_tokens - stats.new_tokens)
-            host = torch.cat((out, torch.stack((count, accepted.length, stop)))).tolist()  # the host sync
-            count, length, stop = host[-3:]
-            cache.crop(n + count)
-            if trace is not None:
-                trace.append((tree, accepted.path[: length + 1]))
-            stats.cycles += 1
-            stats.accepted_hist[count] = stats.accepted_hist.get(count, 0) + 1
-            stats.new_tokens += count
-            clock.lap("other_s")
-            stats.wall_s += time.perf_counter() - started
-            yield torch.tensor(host[:count])
-            started = time.perf_counter()
-            if stop:
-                return
-            clock.lap()  # time spent by the consumer is nobody's
-            drafter.accept(out[:count], hidden[accepted.path[:count]])
-            n += count
-            token = out[count - 1 : count]
-            clock.lap("draft_s")
 
     def _prepare(self, inputs, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
                  max_length: int | None, seed: int | None):
@@ -568,19 +492,6 @@ def local_tokenizer(model: PreTrainedModel) -> PreTrainedTokenizerBase:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def emitted_count(out: torch.Tensor, length: torch.Tensor, eos: torch.Tensor,
-                  remaining: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """How many of a cycle's tokens to emit, on the device: out [D+1] (a accepted tokens, the bonus, padding), length
-    a (0-dim) -> (count, stop) 0-dim longs: up to and including the first EOS, at most ``remaining``; stop is 1 when
-    an EOS was emitted or the budget is spent."""
-    steps = torch.arange(out.shape[0], device=out.device)
-    hit = torch.isin(out, eos) & (steps <= length)
-    first_eos = torch.where(hit, steps, out.shape[0]).min()
-    count = torch.minimum(length, first_eos).clamp(max=remaining - 1) + 1
-    stop = (first_eos < out.shape[0]) | (count == remaining)
-    return count, stop.long()
 
 
 def fast_draft_dtype(device: torch.device) -> torch.dtype | None:

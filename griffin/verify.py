@@ -37,6 +37,32 @@ class Verifier(Protocol):
     def accept(self, tree: Tree, logits: torch.Tensor) -> Acceptance: ...
 
 
+class Drafter(Protocol):
+    """What the decode loop asks of a drafter (:mod:`griffin.drafters`; the cycle: ``docs/design.md``).
+
+    - ``depth``, ``total_tokens``: every proposal has exactly ``total_tokens + 1`` nodes (root included; padded with
+      :func:`griffin.tree.build_tree` / :func:`griffin.tree.chain`) and no node deeper than ``depth``;
+    - ``start``: the prompt ids [P], the target's features of the prompt [P, H], the first new token [1];
+    - ``propose``: a tree rooted at ``token`` (the newest token, not yet seen by the target), built with tensor
+      operations only (the loop allows one host sync per cycle); a drafter that samples sets ``tree.q``;
+    - ``accept``: tokens emitted since the last proposal [n] and the target's features of the positions that produced
+      them [n, H] (after plain steps, all of theirs at once).
+
+    Optional: ``verifier(sampling, generator) -> Verifier``, the rule its proposals need (default:
+    :func:`default_verifier`), and ``resize(depth, total_tokens)``, a new tree shape from the next proposal on, which
+    adaptation during a generation needs (:mod:`griffin.adapt`).
+    """
+
+    depth: int
+    total_tokens: int
+
+    def start(self, ids: torch.Tensor, hidden: torch.Tensor, token: torch.Tensor) -> None: ...
+
+    def propose(self, token: torch.Tensor) -> Tree: ...
+
+    def accept(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None: ...
+
+
 def follow(tree: Tree, choice: torch.Tensor) -> Acceptance:
     """The path the target takes through the tree when it emits ``choice[i]`` after node i ([N+1] token ids).
 

@@ -5,10 +5,12 @@
     python -m inference.demo --target meta-llama/Llama-3.1-8B-Instruct --draft org/llama-3.1-8b-head   # Hub ids
     python -m inference.demo --total-tokens 8     # a fixed tree: no tuning
 
-Prints each answer, the acceptance length (tokens per target forward pass), tokens/s of speculative generation and of
-both plain decodings (transformers' ``generate`` and griffin's own loop), the speedup over the faster of the two, and
-whether the output is identical to ``generate``'s. The first run on a machine tunes the tree size (under a minute,
-cached).
+Prints in one line the configuration it runs and why (what the tuner measured on this machine), then each answer, the
+acceptance length (tokens per target forward pass), tokens/s of speculative generation and of both plain decodings
+(transformers' ``generate`` and griffin's own loop), the speedup over the faster of the two, and whether the output is
+identical to ``generate``'s. The first run on a machine tunes the tree, with and without a prompt-lookup chain of
+10 tokens (about a minute each, cached), and keeps the one that measured faster against the plain loop; ``--lookup N``
+fixes the chain.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from griffin.cli import add_device_arguments, add_tree_arguments, nonnegative_fl
 from griffin.constants import EMBEDDED_TARGET
 from griffin.hub import model_argument
 
+LOOKUP = 10  # the chain tried beside none when --lookup is not given
 PROMPTS = [
     "Write a short poem about the sea.",
     "Give me three tips for a good night's sleep.",
@@ -40,7 +43,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0 = greedy")
     add_device_arguments(p)
     add_tree_arguments(p)
+    p.set_defaults(lookup=None)  # the demo's default: the chain (or none) that measured faster here
     return p.parse_args(argv)
+
+
+def measured_gain(record: dict | None) -> float:
+    """The tuned choice's median speedup over the plain loop in the tuner's check (1 for the plain loop itself)."""
+    record = record or {}
+    key = f"{record.get('depth')}x{record.get('total_tokens')}"
+    return (record.get("measured_speedup_over_plain") or {}).get(key, 1.0)
+
+
+def choose_lookup(gen, temperature: float, retune: bool) -> None:
+    """Tune the tree for ``temperature`` with no chain and with a chain of :data:`LOOKUP` tokens (each cached) and
+    keep the one whose choice measured faster against the plain loop."""
+    from griffin.autotune import tuning_record
+
+    gains = {}
+    for lookup in (0, LOOKUP):
+        gen.lookup = lookup
+        gen.follow_temperature(retune)
+        gen.tune_for(temperature)
+        gains[lookup] = measured_gain(tuning_record(gen, temperature))
+    gen.lookup = max(gains, key=gains.get)
+    gen.follow_temperature()
+    gen.tune_for(temperature)
+
+
+def configuration_line(gen, temperature: float) -> str:
+    """What the demo runs and why, in one line."""
+    from griffin.autotune import describe, tuning_record
+
+    record = tuning_record(gen, temperature) if gen.autotuned else None
+    if record is None:
+        what = "no tree" if gen.total_tokens == 0 else f"a fixed tree of {gen.total_tokens} nodes, depth {gen.depth}"
+        return f"configuration: {what}{f' + lookup {gen.lookup}' if gen.lookup else ''} (set on the command line)"
+    adapt = "; adapted per request from there" if gen.adapting else ""
+    return f"configuration (tuned on this machine): {describe(record)}{adapt}. Why: {record['reason']}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     from griffin.sampling import SamplingConfig
 
     gen = SpecGenerator.from_pretrained(args.target, args.draft, total_tokens=args.total_tokens, retune=args.retune,
-                                        lookup=args.lookup, device=args.device, dtype=args.dtype)
+                                        lookup=args.lookup or 0, device=args.device, dtype=args.dtype)
+    if args.lookup is None and args.total_tokens == "auto":
+        choose_lookup(gen, args.temperature, args.retune)
+    else:
+        gen.tune_for(args.temperature)
+    print(configuration_line(gen, args.temperature))
     eos = gen.eos_ids(None)
     sampling = SamplingConfig(args.temperature)
     hf_kwargs = dict(do_sample=args.temperature > 0, temperature=args.temperature or None, top_p=None, top_k=None,
@@ -96,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     speedup = (totals[baseline] / tokens[baseline]) / (totals["spec"] / tokens["spec"])
     print(f"\nspeedup over the fastest plain decoding ({baseline}, {tokens[baseline] / totals[baseline]:.1f} "
           f"tokens/s): {speedup:.2f}x ({tokens['spec'] / totals['spec']:.1f} tokens/s; tree of {gen.total_tokens} "
-          f"nodes, depth {gen.depth})")
+          f"nodes, depth {gen.depth}{f', lookup {gen.lookup}' if gen.lookup else ''})")
     return 0
 
 

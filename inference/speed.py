@@ -32,8 +32,10 @@ from griffin.constants import EMBEDDED_TARGET
 
 from .questions import BENCHES, EXTRA_BENCHES, load_questions
 
-METHODS = ("baseline", "ours", "own_loop", "prompt_lookup")
+METHODS = ("baseline", "ours", "own_loop", "prompt_lookup", "fixed")
 PLAIN_NAMES = {"baseline": "transformers generate", "own_loop": "our plain loop"}
+# "fixed": ours with the tuned tree held for the whole generation (adaptation off); not in the default methods
+DEFAULT_METHODS = METHODS[:4]
 RESULTS = Path("benchmarks/results")
 
 
@@ -47,14 +49,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--temperature", type=nonnegative_float, default=0.0)
     p.add_argument("--limit", type=positive_int, default=None, help="only the first n questions")
+    p.add_argument("--per-category", type=positive_int, default=None,
+                   help="only the first n questions of each category (after --limit)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="target dtype")
     p.add_argument("--draft-dtype", default="auto", choices=["auto", "fp32", "bf16"],
                    help="draft head dtype (auto: bf16 where the hardware computes it natively)")
     p.add_argument("--depth", type=positive_int, default=None)
     p.add_argument("--top-k", type=positive_int, default=None)
     add_tree_arguments(p)
-    p.add_argument("--methods", default=",".join(METHODS),
-                   help=f"comma-separated subset of {','.join(METHODS)} (ours is required)")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help=f"comma-separated subset of {','.join(METHODS)} (ours is required; fixed: ours without "
+                        "adapting the tuned tree during a generation)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=str(RESULTS))
     p.add_argument("--tag", default=None, help="name of the draft in file names (default: the head folder's name)")
@@ -71,13 +76,13 @@ if __name__ == "__main__":  # --help and usage errors answer here, before torch 
     parse_args()
 
 import torch
-from tqdm.auto import tqdm
 
 from griffin import SpecGenerator
 from griffin.autotune import tuning_record
 from griffin.chat_template import prompt_ids
 from griffin.io import atomic_write_json, atomic_write_text, read_journal, weights_digest
 from griffin.plain import plain_generate
+from griffin.progress import progress
 from griffin.report import command_line, machine_info, machine_text, markdown_table, result_stem
 from griffin.sampling import SamplingConfig
 from griffin.target import load_target
@@ -100,7 +105,7 @@ class Runner:
 
     def run(self, method: str, ids: torch.Tensor, seed: int) -> dict:
         torch.manual_seed(seed)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         record: dict = {}
         with torch.inference_mode():
             if method == "baseline":
@@ -111,11 +116,16 @@ class Runner:
                 gen = torch.Generator().manual_seed(seed)
                 new = plain_generate(self.model, ids, self.args.max_new_tokens, self.sampling, self.eos, gen)
             else:
-                out = self.gen.generate(ids, max_new_tokens=self.args.max_new_tokens,
-                                        temperature=self.args.temperature, seed=seed)
+                self.gen.adapt = method == "ours"
+                try:
+                    out = self.gen.generate(ids, max_new_tokens=self.args.max_new_tokens,
+                                            temperature=self.args.temperature, seed=seed)
+                finally:
+                    self.gen.adapt = True
                 new = out.sequences[0, ids.shape[0]:]
                 record["stats"] = out.stats.as_dict()
-        record.update(seconds=time.perf_counter() - t0, tokens=new.tolist())
+        # CPU seconds beside wall seconds: on a shared machine they show the cost apart from others' load
+        record.update(seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - cpu0, tokens=new.tolist())
         return record
 
 
@@ -126,7 +136,8 @@ def question_records(runner: Runner, question: dict, bench: str, seed: int) -> l
     for turn, text in enumerate(question["turns"]):
         messages.append({"role": "user", "content": text})
         ids = torch.tensor(prompt_ids(runner.tok, messages), device=runner.gen.device)
-        record = {"question_id": question["question_id"], "turn": turn, "prompt_tokens": ids.shape[0]}
+        record = {"question_id": question["question_id"], "turn": turn, "prompt_tokens": ids.shape[0],
+                  "category": question.get("category")}
         for method in runner.args.methods:
             record[method] = runner.run(method, ids, seed + 1000 * turn)
         reference = record.get("baseline", record["ours"])["tokens"]
@@ -161,6 +172,34 @@ def turn_summary(records: list[dict], methods: list[str]) -> dict:
     if "baseline" in methods:
         summary["speedup"] = rate["ours"] / rate["baseline"]
     return summary
+
+
+def category_summary(records: list[dict], methods: list[str]) -> dict:
+    """Per category: prompts, τ and tokens/s of ours (and of the fixed tree), and their speedups over the fastest
+    plain decoding of the same prompts."""
+    seconds, tokens, cycles = totals(records, methods)
+    rate = {m: tokens[m] / seconds[m] for m in methods}
+    plain = max((rate[m] for m in ("baseline", "own_loop") if m in methods), default=None)
+    out = {"n_prompts": len(records), "tau": tokens["ours"] / cycles if cycles else None, "tokens_per_s": rate["ours"],
+           "plain_fraction": sum(r["ours"]["stats"].get("plain_steps", 0) for r in records) / max(cycles, 1)}
+    if plain:
+        out["speedup_vs_fastest_plain"] = rate["ours"] / plain
+        if "fixed" in methods:
+            out["fixed_speedup_vs_fastest_plain"] = rate["fixed"] / plain
+    return out | cpu_speedups(records, methods)
+
+
+def cpu_speedups(records: list[dict], methods: list[str]) -> dict:
+    """Speedups of ours (and of the fixed tree) over the fastest plain decoding by CPU seconds (runs that record
+    them): what the methods cost apart from other processes' load on a shared machine."""
+    if not all("cpu_seconds" in r[m] for r in records for m in methods):
+        return {}
+    rate = {m: sum(len(r[m]["tokens"]) for r in records) / sum(r[m]["cpu_seconds"] for r in records) for m in methods}
+    plain = max((rate[m] for m in ("baseline", "own_loop") if m in methods), default=None)
+    if plain is None:
+        return {}
+    return {f"{'' if m == 'ours' else m + '_'}cpu_speedup_vs_fastest_plain": rate[m] / plain
+            for m in ("ours", "fixed") if m in methods}
 
 
 def summarise(records: list[dict], args: argparse.Namespace, bench: str, gen: SpecGenerator, tag: str) -> dict:
@@ -210,6 +249,16 @@ def summarise(records: list[dict], args: argparse.Namespace, bench: str, gen: Sp
     if "prompt_lookup" in args.methods and "baseline" in args.methods:
         result["prompt_lookup_tokens_per_s"] = tokens["prompt_lookup"] / seconds["prompt_lookup"]
         result["peers"] = {"prompt_lookup": result["prompt_lookup_tokens_per_s"] / result["baseline_tokens_per_s"]}
+    if "fixed" in args.methods:
+        result["fixed_tokens_per_s"] = tokens["fixed"] / seconds["fixed"]
+        if plain:
+            result["fixed_speedup_vs_fastest_plain"] = result["fixed_tokens_per_s"] / plain[fastest]
+    result["plain_fraction"] = sum(r["ours"]["stats"].get("plain_steps", 0) for r in records) / max(cycles, 1)
+    result.update(cpu_speedups(records, args.methods))
+    categories = sorted({r["category"] for r in records if r.get("category")})
+    if len(categories) > 1:
+        result["by_category"] = {c: category_summary([r for r in records if r.get("category") == c], args.methods)
+                                 for c in categories}
     turns = sorted({r["turn"] for r in records})
     if len(turns) > 1:
         result["by_turn"] = {str(t + 1): turn_summary([r for r in records if r["turn"] == t], args.methods)
@@ -232,6 +281,14 @@ def table(result: dict) -> str:
     if "speedup_vs_own_loop" in result:
         rows += [["our plain loop tokens/s", result["own_loop_tokens_per_s"]],
                  ["speedup vs our plain loop", result["speedup_vs_own_loop"]]]
+    if "fixed_speedup_vs_fastest_plain" in result:
+        rows.append(["the tuned tree held fixed (no adaptation): speedup vs the fastest plain decoding",
+                     result["fixed_speedup_vs_fastest_plain"]])
+    for key, name in (("cpu_speedup_vs_fastest_plain", "ours"), ("fixed_cpu_speedup_vs_fastest_plain", "fixed tree")):
+        if key in result:
+            rows.append([f"{name}: speedup vs the fastest plain decoding by CPU seconds", result[key]])
+    if "plain_fraction" in result:
+        rows.append(["cycles adaptation ran as plain steps (fraction)", result["plain_fraction"]])
     if "peers" in result:
         rows.append(["prompt lookup speedup vs transformers generate", result["peers"]["prompt_lookup"]])
     if "identical_fraction" in result:
@@ -244,6 +301,14 @@ def table(result: dict) -> str:
                                                           ("speedup", "generate")) if k in t]
         tau = "-" if t["tau"] is None else f"{t['tau']:.2f}"  # None: no verification pass
         rows.append([f"turn {turn} ({t['n_prompts']} prompts): τ, speedup vs", f"τ {tau}; " + ", ".join(speedups)])
+    for name, c in result.get("by_category", {}).items():
+        fixed = c.get("fixed_speedup_vs_fastest_plain")
+        fixed = "" if fixed is None else f"; fixed tree {fixed:.2f}x"
+        tau = "-" if c["tau"] is None else f"{c['tau']:.2f}"
+        cpu = c.get("cpu_speedup_vs_fastest_plain")
+        cpu = "" if cpu is None else f" (CPU seconds {cpu:.2f}x)"
+        rows.append([f"{name} ({c['n_prompts']} prompts): τ, speedup vs the fastest plain decoding",
+                     f"τ {tau}; {c.get('speedup_vs_fastest_plain', float('nan')):.2f}x{cpu}{fixed}"])
     head = (f"# {result['bench']} · draft {result['draft']} · T={result['temperature']}\n\n"
             f"{result['n_questions']} questions, {result['n_prompts']} prompts, up to {result['max_new_tokens']} new "
             f"tokens, target {result['target']} ({result['dtype']}), tree {result['tree']}.\n\n")
@@ -263,6 +328,17 @@ def answers_jsonl(records: list[dict], questions: list[dict], tok, model_id: str
     return "\n".join(lines) + "\n"
 
 
+def first_per_category(questions: list[dict], n: int) -> list[dict]:
+    """The first ``n`` questions of each category, in their order."""
+    seen: Counter = Counter()
+    kept = []
+    for question in questions:
+        seen[question.get("category")] += 1
+        if seen[question.get("category")] <= n:
+            kept.append(question)
+    return kept
+
+
 def load_partial(path: Path, settings: dict, questions: list[dict]) -> list[dict]:
     """Records of the questions an interrupted run with the same settings finished (all their turns); the file is
     rewritten to hold just those, so a line or a turn cut by a kill is measured again rather than kept."""
@@ -280,6 +356,8 @@ def run_bench(bench: str, gen: SpecGenerator, runner: Runner, args: argparse.Nam
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = result_stem(bench, tag, args.temperature, args.dtype)
     questions = load_questions(bench, args.limit)
+    if args.per_category:
+        questions = first_per_category(questions, args.per_category)
     skip = ("bench", "out_dir", "argv", "retune")
     settings = {k: v for k, v in vars(args).items() if k not in skip} | {"bench": bench}
     partial = out_dir / f".{stem}.partial.jsonl"
@@ -289,7 +367,7 @@ def run_bench(bench: str, gen: SpecGenerator, runner: Runner, args: argparse.Nam
         partial.write_text(json.dumps(settings) + "\n")
     pending = [q for q in questions if q["question_id"] not in done]
     with open(partial, "a") as handle:
-        for question in tqdm(pending, desc=bench, unit="q", initial=len(done), total=len(questions),
+        for question in progress(pending, desc=bench, unit="q", initial=len(done), total=len(questions),
                              dynamic_ncols=True):
             new = question_records(runner, question, bench, args.seed + int(question["question_id"]))
             handle.write("".join(json.dumps(r) + "\n" for r in new))
@@ -298,7 +376,8 @@ def run_bench(bench: str, gen: SpecGenerator, runner: Runner, args: argparse.Nam
     result = summarise(records, args, bench, gen, tag)
     atomic_write_json(out_dir / f"{stem}.json", {**result, "per_prompt": [
         {"question_id": r["question_id"], "turn": r["turn"], "prompt_tokens": r["prompt_tokens"],
-         **{m: {"seconds": r[m]["seconds"], "new_tokens": len(r[m]["tokens"])} for m in args.methods},
+         **{m: {"seconds": r[m]["seconds"], "cpu_seconds": r[m].get("cpu_seconds"), "new_tokens": len(r[m]["tokens"])}
+            for m in args.methods},
          "tau": r["ours"]["stats"]["tau"]} for r in records]})
     atomic_write_text(out_dir / f"{stem}.md", table(result))
     atomic_write_text(out_dir / "answers" / f"{stem}.jsonl",

@@ -16,7 +16,7 @@ Why no target in the loop gives the engine's τ:
   the newest emitted token, the engine accepts the deepest tree node whose path from the root spells the next tokens
   of ``c`` (at each node the target's argmax is the next token of ``c``) and emits that path plus the bonus, which is
   the next token of ``c``. So the accepted path follows from the tree and ``c`` alone. The head is then fed exactly
-  what :meth:`griffin.generator.SpecGenerator._steps` feeds it: ``drafter.accept(emitted, hidden[path])``, where
+  what :func:`griffin.decode.decode` feeds it: ``drafter.accept(emitted, hidden[path])``, where
   ``hidden[path]`` are the target's features at the root and the accepted nodes, i.e. at the positions of the tokens
   that *predicted* the emitted ones. Those are the target's features of ``prompt + c`` at positions ``n .. n+m-1``
   (``n``: the root's position, ``m``: tokens emitted), which one causal forward over ``prompt + c[:-1]`` gives.
@@ -333,7 +333,7 @@ def target_features(target: PreTrainedModel, prompt: torch.Tensor, continuation:
             continue
         causal = torch.ones(q, q, dtype=torch.bool, device=tokens.device).tril()
         positions = torch.arange(start, start + q, device=tokens.device)
-        small = start == 0 and 2 <= q <= weight_major.max_rows  # as SpecGenerator._target_forward on the prompt
+        small = start == 0 and 2 <= q <= weight_major.max_rows  # as TargetBackend.forward on the prompt
         with weight_major if small else contextlib.nullcontext():
             out = cached_forward(decoder, cache, input_ids=tokens[None], position_ids=positions[None],
                                  attention_mask=verification_mask(target, start, causal, dtype),
@@ -376,7 +376,7 @@ def replay(drafter: HeadDrafter, prompt: torch.Tensor, continuation: torch.Tenso
            question_id: int | str = 0, turn: int = 0) -> PromptTau:
     """The engine's cycles on ``prompt`` [P] whose output is ``continuation`` [L], with only the drafter.
 
-    hidden [P + L - 1, H]: :func:`target_features`. Mirrors :meth:`SpecGenerator._steps` line by line."""
+    hidden [P + L - 1, H]: :func:`target_features`. Mirrors :func:`griffin.decode.decode` line by line."""
     p, total = prompt.shape[0], continuation.shape[0]
     result = PromptTau(question_id, turn, total, [], [])
     if total == 1:  # the prefill's token was the last one

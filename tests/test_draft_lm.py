@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from griffin import SpecGenerator
+from griffin.autotune import expected_tokens, measured_alpha
 from griffin.compat import TokenizerMismatch
-from griffin.draft_lm import DraftLM, build_student, expected_tokens, measured_alpha, save_draft_lm
+from griffin.draft_lm import DraftLM, build_student, save_draft_lm
 from griffin.sampling import SamplingConfig
 from tests.conftest import pooled_chisquare, tiny_model
 from tests.test_generation import PROMPTS, NoTokenizer, exact_sequences
@@ -160,3 +161,20 @@ def test_gamma_auto_is_chosen_from_measured_costs_and_cached(tiny_target_dir, tm
     assert again.gamma == next(c["gamma"] for c in sampled if c["temperature"] == 0.7)
     again.generate("hello", max_new_tokens=4)
     assert again.gamma == gen.gamma and len(list((tmp_path / "cache" / "autotune").iterdir())) == 2
+
+
+def test_a_loaded_draft_model_takes_its_tokenizer_as_an_argument(tiny_target_dir, smol_tokenizer):
+    """Like transformers' assistant_tokenizer=: a draft LM built in memory has no folder to find a tokenizer in."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    student = build_student(target, 1)  # in memory: no folder, no tokenizer
+    with pytest.raises(ValueError, match="pass draft_tokenizer="):
+        SpecGenerator.from_pretrained(target, tokenizer=smol_tokenizer, draft_model=student, gamma=2)
+    gen = SpecGenerator.from_pretrained(target, tokenizer=smol_tokenizer, draft_model=student, gamma=2,
+                                        draft_tokenizer=smol_tokenizer)
+    prompt = torch.tensor([5, 17, 33, 2])
+    ref = target.generate(prompt[None], max_new_tokens=12, do_sample=False)
+    assert torch.equal(gen.generate(prompt, max_new_tokens=12).sequences, ref)
+    with pytest.raises(ValueError, match="draft_tokenizer goes with a loaded draft_model"):
+        SpecGenerator.from_pretrained(target, tokenizer=smol_tokenizer, draft_tokenizer=smol_tokenizer)

@@ -382,3 +382,31 @@ def test_a_fused_heads_lm_head_and_norm_can_start_as_the_targets(tiny_target_dir
     torch.testing.assert_close(head.norm.weight, model.model.norm.weight)
     x = torch.randn(3, 32)
     torch.testing.assert_close(head.lm_head(head.norm(x)), model.lm_head(model.model.norm(x))[:, 0:128:2])
+
+
+def test_fused_features_after_plain_stretches_are_the_verification_passes():
+    """Adaptation runs plain steps between trees; the drafter then reads, for every emitted token, the hidden states
+    entering its three target layers, as a full forward of the final sequence computes them."""
+    from griffin.adapt import PLAIN
+    from tests.test_adapt import BIG, SMALL, Scripted, run
+
+    target = tiny_model(layers=6, vocab_size=96)
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target, "eagle3", draft_vocab_size=48), top_k=4)
+    received = []
+    drafter_type = type(gen.make_drafter(64))
+    accept = drafter_type.accept
+
+    def spy(self, tokens, hidden):
+        received.append(hidden.clone())
+        return accept(self, tokens, hidden)
+
+    prompt = torch.randint(0, 96, (7,), generator=torch.Generator().manual_seed(5))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(drafter_type, "accept", spy)
+        out, stats = run(gen, prompt, 24, Scripted([BIG, PLAIN, PLAIN, SMALL, PLAIN, BIG]))
+    assert stats.plain_steps >= 4
+    with torch.no_grad():
+        states = target.model(torch.cat((prompt, torch.tensor(out)))[None], output_hidden_states=True).hidden_states
+    want = torch.cat([states[i][0] for i in gen.draft.config.feature_layers], dim=-1)
+    got = torch.cat(received)
+    torch.testing.assert_close(got, want[: got.shape[0]], rtol=1e-4, atol=1e-4)

@@ -113,13 +113,22 @@ def test_no_import_circle_between_folders_or_outside_griffin():
     assert circles(outside) == []
 
 
-@pytest.mark.xfail(strict=False, reason="griffin/ still has the circles generator <-> autotune <-> draft_lm and "
-                                        "draft <-> official, being removed on their own branches (issue 35)")
 def test_no_import_circle_inside_griffin():
     graph = import_graph(runtime_only=True)
     assert circles({m: {n for n in names if n.startswith("griffin")} for m, names in graph.items()
                     if m.startswith("griffin")}) == []
 
+
+def test_the_tuner_and_the_drafters_set_no_generator_fields():
+    """The tuner drives the decode loop through its public function: it assigns nothing on a generator and reads
+    none of its private parts."""
+    for name in ("autotune", "drafters", "draft_lm", "decode", "adapt"):
+        tree = ast.parse((ROOT / "griffin" / f"{name}.py").read_text())
+        assigned = [ast.unparse(t) for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AugAssign))
+                    for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]
+        private = [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                   and ast.unparse(node.value) == "gen" and node.attr.startswith("_")]
+        assert not [a for a in assigned if a.startswith("gen.")] and not private, (name, assigned, private)
 
 def commands() -> list[str]:
     """Every ``python -m`` command of the project: what the argument parsers name themselves (``prog``)."""

@@ -120,7 +120,9 @@ def test_the_tree_is_tuned_with_the_chain_and_apart_from_the_tree_without_it(tmp
     gen = SpecGenerator.from_pretrained(target, head, tokenizer=CharTokenizer(), total_tokens="auto", lookup=4)
     [record] = (tmp_path / "autotune").glob("*.json")
     choice = json.loads(record.read_text())
-    assert gen.lookup == choice["lookup"] == 4 and gen.total_tokens == choice["total_tokens"]
+    assert gen.lookup == 4 and gen.total_tokens == choice["total_tokens"]
+    off = (choice["depth"], choice["total_tokens"]) == autotune.PLAIN  # the plain loop: the chain is off too
+    assert choice["lookup"] == (0 if off else 4) and gen.plain == off
     assert {n + 1 + 4 for n in autotune.TOTALS[::3]} <= set(map(int, choice["forward_cost_s"]))  # the chain's rows
     plain = SpecGenerator.from_pretrained(target, head, tokenizer=CharTokenizer(), total_tokens="auto")
     assert plain.lookup == 0 and len(list((tmp_path / "autotune").glob("*.json"))) == 2  # tuned apart

@@ -383,12 +383,12 @@ def test_a_draft_lm_tuning_record_with_a_wrong_gamma_is_named_and_tuned_again(ti
     draft_lm.save_draft_lm(draft_lm.build_student(model, 1), tmp_path / "student", torch.arange(500),
                            AutoTokenizer.from_pretrained(tiny_target_dir))
     gen = SpecGenerator.from_pretrained(str(tiny_target_dir), draft_model=tmp_path / "student", gamma=3)
-    path = tmp_path / "cache" / "autotune" / f"{draft_lm._tuning_key(gen, 0.0)}.json"
+    path = tmp_path / "cache" / "autotune" / f"{autotune._tuning_key(gen, 0.0)}.json"
     path.parent.mkdir(parents=True)
     for gamma in (0, -2, 2.5, "4"):
         path.write_text(json.dumps({"gamma": gamma, "temperature": 0.0}))
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="griffin.io"):
-            choice = draft_lm.tune_gamma(gen, max_gamma=3)
+            choice = autotune.tune_gamma(gen, max_gamma=3)
         assert str(path) in caplog.text and f"gamma is {gamma!r}" in caplog.text and "tuning again" in caplog.text
         assert 1 <= choice["gamma"] <= 3 and json.loads(path.read_text())["gamma"] == choice["gamma"]

@@ -80,12 +80,12 @@ if __name__ == "__main__":  # --help and usage errors answer here, before torch 
     parse_args()
 
 import torch
-from tqdm.auto import tqdm
 
 import griffin
 from griffin.chat_template import TemplateError, set_chat_template, tokenize_conversation
 from griffin.config import default_feature_layers
 from griffin.io import atomic_write_json, read_json
+from griffin.progress import progress
 from griffin.target import file_lock, load_target, resolve_dtype, target_fingerprint
 
 from .store import (
@@ -273,7 +273,7 @@ class Progress:
     """A conversations bar with tokens/s of the target's forward passes in its postfix."""
 
     def __init__(self, total: int | None, disable: bool):
-        self.bar = tqdm(total=total, unit="conv", desc="features", disable=disable, dynamic_ncols=True)
+        self.bar = progress(total=total, unit="conv", desc="features", disable=disable, dynamic_ncols=True)
         self.tokens, self.seconds = 0, 0.0
 
     def update(self, conversations: int, tokens: int, seconds: float) -> None:

@@ -110,13 +110,13 @@ if __name__ == "__main__":  # --help and usage errors answer here, before torch 
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from griffin.chat_template import TemplateError, prompt_ids, tokenize_conversation
 from griffin.compat import TokenizerMismatch, check_compatible
 from griffin.draft_lm import build_student, load_draft_lm, save_draft_lm, vocab_logits
 from griffin.io import atomic_write_json
+from griffin.progress import progress
 from griffin.target import load_target, resolve_dtype
 
 from .losses import adaspec_select, make_token_loss, per_token_fkl
@@ -352,8 +352,8 @@ class Distiller:
         args = self.args
         if not self.validation:
             self.validate()
-        bar = tqdm(total=args.steps, initial=self.progress["updates"], desc=f"distill {args.token_loss}", unit="upd",
-                   disable=not self.acc.is_main_process, dynamic_ncols=True)
+        bar = progress(total=args.steps, initial=self.progress["updates"], desc=f"distill {args.token_loss}",
+                       unit="upd", disable=not self.acc.is_main_process, dynamic_ncols=True)
         self.module.train()
         while self.progress["updates"] < args.steps:
             t0 = time.perf_counter()

@@ -128,8 +128,7 @@ def answer_speculative(gen, prompts: list[list[dict]], args) -> tuple[list[str],
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from tqdm.auto import tqdm
-
+    from griffin.progress import progress
     from griffin.target import load_target
 
     out = Path(args.out)
@@ -147,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = args.max_samples if last is None else min(last * args.part_size, args.max_samples or last * args.part_size)
     if stop is not None:
         records = islice(records, stop)
-    bar = tqdm(total=stop, unit="rec", desc="regenerate", dynamic_ncols=True)
+    bar = progress(total=stop, unit="rec", desc="regenerate", dynamic_ncols=True)
     part = 0
     new_tokens, seconds, answered = 0, 0.0, 0
     while chunk := list(islice(records, args.part_size)):

@@ -130,11 +130,11 @@ if __name__ == "__main__":  # --help and usage errors answer here, before torch 
     parse_args()
 
 import torch
-from tqdm.auto import tqdm
 
 from griffin.config import DraftConfig
 from griffin.draft import DraftModel
 from griffin.io import atomic_write, atomic_write_json, read_json
+from griffin.progress import progress
 from griffin.target import file_lock, load_target_head, resolve_dtype, target_fingerprint
 
 from .losses import make_token_loss
@@ -335,8 +335,8 @@ class Trainer:
     def train(self) -> None:
         args, acc = self.args, self.acc
         rank, world = acc.process_index, acc.num_processes
-        bar = tqdm(total=self.total, initial=self.progress["updates"], desc=f"train K={args.steps}", unit="upd",
-                   disable=not acc.is_main_process, dynamic_ncols=True)
+        bar = progress(total=self.total, initial=self.progress["updates"], desc=f"train K={args.steps}", unit="upd",
+                       disable=not acc.is_main_process, dynamic_ncols=True)
         generator = torch.Generator(device=acc.device)
         while self.progress["updates"] < self.total:
             epoch = self.progress["epoch"]

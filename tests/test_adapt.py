@@ -1,0 +1,156 @@
+"""Adaptation during a generation: shapes switched mid-generation (no tree included) keep the target's output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from griffin import SpecGenerator
+from griffin.adapt import PLAIN, Shape, ShapePolicy
+from griffin.decode import GenerationStats, decode
+from griffin.drafters import head_drafter
+from griffin.kv_cache import BufferCache
+from griffin.sampling import SamplingConfig
+from tests.conftest import pooled_chisquare, tiny_model
+from tests.test_engine import counted, syncs_per_cycle  # noqa: F401, F811 - counted is a fixture
+from tests.test_generation import NoTokenizer, exact_sequences, untrained_head
+
+BIG, SMALL = Shape(3, 10, 2.0, 1.5), Shape(1, 2, 1.3, 1.1)
+
+
+class Scripted:
+    """A policy that takes the shapes of ``script`` in turn, one per cycle, whatever the cycles accept."""
+
+    def __init__(self, script: list[Shape], start: int = 0):
+        self.script, self.turn = script, start
+        self.seen: list[tuple[str, int]] = []
+
+    def shape(self) -> Shape:
+        return self.script[self.turn % len(self.script)]
+
+    def observe(self, shape: Shape, emitted: int) -> None:
+        self.seen.append((shape.name, emitted))
+        self.turn += 1
+
+
+def run(gen: SpecGenerator, prompt: torch.Tensor, budget: int, policy, sampling: SamplingConfig | None = None,
+        seed: int = 0, lookup: int = 0) -> tuple[list[int], GenerationStats]:
+    sampling = sampling or SamplingConfig()
+    capacity = prompt.shape[0] + budget
+    drafter = head_drafter(gen.draft, BIG.depth, gen.top_k, BIG.total_tokens, capacity, lookup)
+    cache = BufferCache(gen.num_layers, capacity + drafter.total_tokens + 1)
+    generator = None if sampling.greedy else torch.Generator().manual_seed(seed)
+    stats = GenerationStats()
+    chunks = decode(gen.backend, drafter, prompt, budget, sampling, gen.eos_ids([]), generator, stats, cache,
+                    policy=policy)
+    return torch.cat(list(chunks)).tolist(), stats
+
+
+@pytest.mark.parametrize("lookup", [0, 4])
+def test_switching_shapes_mid_generation_down_to_no_tree_and_back_keeps_greedy_output(lookup):
+    """Greedy output equals generate's whatever the shapes; with a lookup chain over text that repeats, paths of
+    several tokens are accepted on both sides of the plain stretches."""
+    target = tiny_model("llama", vocab_size=96, seed=2)
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), top_k=4)
+    script = [BIG, PLAIN, PLAIN, SMALL, BIG, PLAIN, SMALL, SMALL, PLAIN]
+    accepted = 0
+    for seed in range(3):
+        prompt = torch.randint(0, 96, (7,), generator=torch.Generator().manual_seed(seed))
+        ref = target.generate(prompt[None], max_new_tokens=40, do_sample=False)[0, 7:].tolist()
+        prompt = torch.cat((prompt, torch.tensor(ref[:20]), prompt, torch.tensor(ref[:20]))) if lookup else prompt
+        ref = target.generate(prompt[None], max_new_tokens=40, do_sample=False)[0, prompt.shape[0]:].tolist()
+        policy = Scripted(script, start=seed)
+        out, stats = run(gen, prompt, 40, policy, lookup=lookup)
+        assert out == ref
+        names = [name for name, _ in policy.seen]
+        assert {"plain", BIG.name, SMALL.name} <= set(names)
+        assert any(a == "plain" and b != "plain" for a, b in zip(names, names[1:]))  # back up from no tree
+        assert stats.plain_steps - names.count("plain") in (0, 1)  # the last cycle is not observed
+        assert stats.shapes[BIG.name] >= 2
+        accepted += sum(count - 1 for name, count in policy.seen if name != "plain")
+    assert accepted > (30 if lookup else -1)
+
+
+def test_sampling_holds_while_shapes_switch():
+    """Cycles alternate between two trees and plain steps (in three orders); the first four tokens keep the target's
+    distribution under temperature 0.8 and top-k 3 (chi-square against the exact one)."""
+    target = tiny_model("llama", vocab_size=5, hidden=16, layers=1, seed=11)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.25)  # a spread-out distribution
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target, "eagle"), top_k=2)
+    prompt = torch.tensor([1, 3, 0])
+    cfg = SamplingConfig(temperature=0.8, top_k=3)
+    exact = exact_sequences(target, prompt, cfg, length=4)
+    counts: dict[tuple, int] = {}
+    runs, plain, drafted = 1500, 0, 0
+    for seed in range(runs):
+        out, stats = run(gen, prompt, 4, Scripted([Shape(1, 2, 1.5, 1.2), PLAIN, Shape(2, 3, 1.8, 1.4)], seed), cfg,
+                         seed)
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+        plain += stats.plain_steps
+        drafted += stats.new_tokens - 1 - stats.cycles  # drafted tokens accepted
+    assert set(counts) <= set(exact), "sampled a sequence the target cannot produce under top-k 3"
+    assert plain > runs // 2 and drafted > runs // 4
+    pvalue, cells = pooled_chisquare(counts, exact, runs)
+    assert cells > 20 and pvalue > 0.001, (pvalue, counts)
+
+
+def test_the_policy_drops_to_plain_decoding_probes_with_backoff_and_comes_back():
+    policy = ShapePolicy([BIG, SMALL])
+    assert policy.shape() is BIG  # the tuner's estimate pays: start on the best tree
+    trees = []
+    while policy.shape() is not PLAIN:  # nothing accepted: the smaller tree, then no tree
+        trees.append(policy.shape())
+        policy.observe(policy.shape(), 1)
+    assert trees[0] is BIG and SMALL in trees and len(trees) <= 20
+    waits = []
+    for _ in range(4):  # every probe fails: the waits between them double
+        plain = 0
+        while policy.shape() is PLAIN:
+            policy.observe(PLAIN, 1)
+            plain += 1
+        waits.append(plain)
+        policy.observe(policy.shape(), 1)
+    assert waits == [4, 8, 16, 32]
+    probes = 0
+    while policy.shape() is not BIG and probes < 3:  # the request starts quoting its context: probes accept all
+        while policy.shape() is PLAIN:
+            policy.observe(PLAIN, 1)
+        probes += 1
+        policy.observe(policy.shape(), policy.shape().depth + 1)
+    assert policy.shape() is BIG and policy.wait == 4 and probes <= 3
+    assert ShapePolicy([Shape(2, 4, 1.1, 1.5)]).shape() is PLAIN  # a tree the tuner expects to lose: plain at once
+    tuned_plain = ShapePolicy([BIG, SMALL], plain_first=True)  # the tuner measured no tree paying: probes wait longest
+    assert tuned_plain.shape() is PLAIN and tuned_plain.wait == 32
+
+
+def test_adapting_generations_match_generate_and_change_nothing_cached(tmp_path, monkeypatch):
+    """With the tuner's shapes set, generate adapts by itself (an untrained head accepts little: it drops to the
+    plain loop and probes); the output is still generate's, and the shapes are per request."""
+    monkeypatch.setenv("GRIFFIN_CACHE", str(tmp_path))
+    target = tiny_model("qwen2", vocab_size=80, seed=4)
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=3, top_k=4, total_tokens=10)
+    gen._shapes = [BIG, SMALL]
+    prompt = torch.arange(3, 12)
+    ref = target.generate(prompt[None], max_new_tokens=48, do_sample=False)
+    out = gen.generate(prompt, max_new_tokens=48)
+    assert torch.equal(out.sequences, ref)
+    assert out.stats.plain_steps > 10 and sum(out.stats.shapes.values()) >= 3
+    again = gen.generate(prompt, max_new_tokens=48)
+    assert again.stats.shapes == out.stats.shapes  # decided from token counts: the same request, the same shapes
+    gen.adapt = False
+    fixed = gen.generate(prompt, max_new_tokens=48)
+    assert torch.equal(fixed.sequences, ref) and fixed.stats.plain_steps == 0
+    assert not list(tmp_path.rglob("*.json"))
+
+
+def test_one_host_sync_per_cycle_in_the_plain_loop_and_while_adapting(counted):  # noqa: F811
+    """The plain steps and the switches cost no extra host sync: one per cycle, as in a tree cycle."""
+    target = tiny_model("llama", vocab_size=96)
+    prompt = torch.tensor([5, 17, 33, 2, 60, 71])
+    plain = SpecGenerator(target, NoTokenizer(), untrained_head(target), total_tokens=0)
+    adapting = SpecGenerator(target, NoTokenizer(), untrained_head(target), top_k=4)
+    adapting._shapes = [BIG, SMALL]
+    for gen, temperature in ((plain, 0.0), (plain, 1.0), (adapting, 0.0), (adapting, 1.0)):
+        per_cycle = syncs_per_cycle(gen, prompt, counted, temperature=temperature, top_p=0.9, top_k=20)
+        assert len(per_cycle) > 10 and per_cycle == [1] * len(per_cycle), (temperature, per_cycle)
