@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from griffin.cli import run_cli
+from griffin.constants import FUSED_ARCHS
 from griffin.io import read_json
 from griffin.report import command_line, markdown_table, write_benchmark
 
@@ -25,8 +26,10 @@ RECIPE = "benchmarks/results/recipe/recipe.json"
 def head_row(folder: Path) -> dict:
     report = read_json(folder / "validation.json", "training report")
     run, last = report["run"], report["epochs"][-1]
+    fused = run["arch"] in FUSED_ARCHS  # runs from before --lm-head-init started the fused lm_head at random
     row = {"head": folder.name, "arch": run["arch"], "ttt_steps": run.get("ttt_steps") or 0, "topk": run["topk"],
-           "lm_head_init": run.get("lm_head_init"), "lr": run["lr"], "tokens": last["tokens"],
+           "lm_head_init": run.get("lm_head_init") or ("random" if fused else None), "lr": run["lr"],
+           "tokens": last["tokens"],
            "train_tokens_per_s": round(last["train_tokens_per_s"], 1),
            "held_out_top1": [p["top1"] for p in last["passes"]]}
     for kind in ("regen", "sharegpt"):

