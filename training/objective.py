@@ -252,7 +252,7 @@ class Rollout:
         label_row[data_rows] = torch.arange(len(data_rows), device=device)
         with torch.no_grad():  # [N1, V]
             target_logits = draft.logits_transform(F.linear(batch.targets.flatten(0, 1)[data_rows], weight)).float()
-            counted = self.counted(batch, data_mask, data_rows, to_local) if self.ttt else data_mask
+            counted = self.counted(batch, data_mask, data_rows, to_local, vocab.shape[0]) if self.ttt else data_mask
         gt = torch.where(batch.next_tokens >= 0, to_local[batch.next_tokens.clamp(min=0)], -1).flatten()  # -1: absent
         seen = None
         if draft.draft_vocab is not None and draft.config.context_vocab:
@@ -313,11 +313,11 @@ class Rollout:
                 features = fed.new_zeros(b * t, fed.shape[-1]).index_copy(0, rows, fed).view(b, t, -1)
         return passes
 
-    def counted(self, batch: Batch, data_mask: torch.Tensor, data_rows: torch.Tensor,
-                to_local: torch.Tensor) -> torch.Tensor:
+    def counted(self, batch: Batch, data_mask: torch.Tensor, data_rows: torch.Tensor, to_local: torch.Tensor,
+                proposable_size: int) -> torch.Tensor:
         """[B, T] 0/1: the positions a TTT loss counts, assistant tokens whose target argmax (over the whole
         vocabulary) the head can propose; a head over the whole vocabulary counts every assistant token."""
-        if int(to_local.ge(0).sum()) == to_local.shape[0]:
+        if proposable_size == to_local.shape[0]:  # no host sync: the caller knows how many ids it may propose
             return data_mask
         if batch.target_argmax is not None:  # stored with the features (build_features --feature-layers)
             best = batch.target_argmax.flatten()[data_rows]
