@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -114,10 +115,13 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q [B, nh, T, D], k/v [B, nkv, S, D], mask bool [B or 1, 1, T, S] (True = attend; None: causal, S = T)
-        -> [B, T, nh*D]."""
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=self.nh != self.nkv)
-        return self.o_proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], self.nh * self.d))
+        -> [B, T, H]."""
+        return self.output(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                          enable_gqa=self.nh != self.nkv))
+
+    def output(self, heads: torch.Tensor) -> torch.Tensor:
+        """Attention output per head [B, nh, T, D] -> [B, T, H]."""
+        return self.o_proj(heads.transpose(1, 2).reshape(heads.shape[0], heads.shape[2], self.nh * self.d))
 
 
 class MLP(nn.Module):
@@ -266,12 +270,17 @@ class DraftModel(nn.Module):
         """
         return self.forward_fused(self.fuse(input_ids, features), position_ids, mask, cache, past_kv)
 
-    def forward_fused(self, h, position_ids, mask=None, cache=None, past_kv=None, queries=None) -> DraftOutput:
+    def forward_fused(self, h, position_ids, mask=None, cache=None, past_kv=None, queries=None,
+                      attention: Callable[..., torch.Tensor] | None = None) -> DraftOutput:
         """``queries`` [B, Tq]: the positions (indices into T) whose outputs are wanted; the MLP runs at those only
-        (training's first pass needs every key but not every output)."""
+        (training's first pass needs every key but not every output). ``attention(q, k_new, v_new)`` -> [B, nh, T, D]
+        replaces the attention over past and new keys (training's draft chains, whose keys differ per query)."""
         x, h = self.layer.split(h)
         cos, sin = self.rotary(h, position_ids)
         q, k_new, v_new = self.layer.self_attn.project(x, cos, sin)
+        if attention is not None:
+            r = h + self.layer.self_attn.output(attention(q, k_new, v_new))
+            return self.outputs(r, k_new, v_new, queries)
         if cache is not None:
             k, v = cache.append(k_new, v_new)
         elif past_kv is not None:
@@ -281,7 +290,12 @@ class DraftModel(nn.Module):
         t, s = q.shape[2], k.shape[2]
         if mask is None and s != t:  # causal over the new positions with the past in front (s == t: SDPA's own)
             mask = torch.ones(t, s, dtype=torch.bool, device=h.device).tril(s - t)[None, None]
-        r = h + self.layer.self_attn.attend(q, k, v, mask)
+        return self.outputs(h + self.layer.self_attn.attend(q, k, v, mask), k_new, v_new, queries)
+
+    def outputs(self, r: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                queries: torch.Tensor | None) -> DraftOutput:
+        """The layer after its attention (r = h + attention, [B, T, H]) at the ``queries`` positions, and the heads'
+        features."""
         if queries is not None:
             r = r.gather(1, queries[..., None].expand(-1, -1, r.shape[2]))
         out = self.layer.finish(r)

@@ -311,8 +311,9 @@ def test_a_recipe_commit_amends_its_own_previous_one_on_a_work_branch_never_on_m
 def test_finished_regeneration_parts_are_committed_and_spare_a_fresh_machine_their_answers(tmp_path, monkeypatch):
     ckpt, work = tmp_path / "ckpt", tmp_path / "work"
     args = Namespace(checkpoints=str(ckpt), work=str(work), dtype="fp32", regen_batch=2)
-    cfg = {"chunk_shards": 2, "shards": 4, "chunks": 4, "stage_ends": [4, 4, 4], "shard_records": 4, "target": "t",
-           "data": "d", "regen_new_tokens": 4, "regen_records": 8}  # chunk 1: group 0 (parts 0-1), 3: group 1
+    cfg = {"generation": 2, "chunk_shards": 2, "shards": 4, "chunks": 4, "stage_ends": [4, 4, 4], "shard_records": 4,
+           "target": "t", "data": "d", "regen_new_tokens": 4,
+           "regen_records": 8}  # chunk 1: group 0 (parts 0-1), 3: group 1
     state = {"heads": {"griffin-s1": {"chunks": [0, 1]}, "eagle-s1": {"chunks": [0]}}}
     (work / "regen").mkdir(parents=True)
     for part in (0, 2):  # a part of chunk 1, which eagle-s1 has yet to train on, and a part of chunk 3
@@ -635,8 +636,41 @@ def test_auto_precision_is_bf16_only_where_the_hardware_computes_it(monkeypatch,
     assert [steps.resolve_precision(p) for p in ("bf16", "fp32")] == ["bf16", "fp32"]
 
 
+def test_the_eagle3_generation_trains_its_heads_with_training_time_test_on_three_layer_features(
+        tmp_path, tiny_target_dir, monkeypatch):
+    calls = []
+
+    def in_process(module: str, *argv: str) -> float:
+        calls.append((module, argv))
+        assert importlib.import_module(module).main(list(argv)) == 0
+        return 0.0
+
+    monkeypatch.setattr(scheduler, "python", in_process)
+    ckpt, args = tiny_recipe(tmp_path, tiny_target_dir, "--chunk-shards", "1", "--regen-records", "2",
+                             "--generation", "3", "--work", str(tmp_path / "work"),
+                             "--sharegpt-store", str(tmp_path / "sharegpt"))
+    assert recipe.main(args + ["--chunks", "2"]) == 0
+    state = json.loads((ckpt / "recipe.json").read_text())
+    assert state["settings"]["generation"] == 3
+    assert {k: v["chunks"] for k, v in state["heads"].items()} == {"eagle3": [0, 1], "griffin3": [0, 1]}
+    features = [a for m, a in calls if m == "training.build_features"]
+    assert features and all(a[a.index("--feature-layers") + 1] == "auto" for a in features)
+    runs = {h: json.loads((tmp_path / "work" / "runs" / h / "chunk-001" / "validation.json").read_text())["run"]
+            for h in ("eagle3", "griffin3")}
+    assert (runs["eagle3"]["arch"], runs["eagle3"]["ttt_steps"], runs["eagle3"]["topk"]) == ("eagle3", 7, 0)
+    assert (runs["griffin3"]["arch"], runs["griffin3"]["ttt_steps"], runs["griffin3"]["topk"]) == ("griffin3", 7, 3)
+    assert runs["eagle3"]["init_from"] == str(tmp_path / "work" / "runs" / "eagle3" / "chunk-000")
+    config = json.loads((ckpt / "wip-griffin3" / "config.json").read_text())
+    assert config["arch"] == "griffin3" and len(config["feature_layers"]) == 3
+    assert [len(p["fixed"]["sharegpt"]) for p in state["curve"]] == [3] * 4  # scored over 3 passes
+    # the second generation's names are refused here, and its defaults are its own
+    code, err = run_main("training.recipe", "--generation", "3", "--heads", "griffin")
+    assert code == 2 and "--heads must name some of eagle3, griffin3" in err
+    assert cli.parse_args(["--generation", "3"]).checkpoints == "checkpoints/smollm2-135m-instruct-recipe3"
+
+
 def test_the_next_chunk_is_built_ahead_only_for_a_head_that_will_train_on_it():
-    cfg = {"stage_ends": [2, 3, 4]}  # chunks 0-1 stage 1, chunk 2 stage 2, chunk 3 stage 3
+    cfg = {"generation": 2, "stage_ends": [2, 3, 4]}  # chunks 0-1 stage 1, chunk 2 stage 2, chunk 3 stage 3
     state = {"heads": {"griffin-s1": {"chunks": [0]}, "eagle-s1": {"chunks": [0]}}}
     eagle_s1 = next(h for h in schedule.STAGE1 if h.name == "eagle-s1")
     # griffin-s1 lags (it is not among the heads of this run): chunk 2 would wait for it, so nothing is built ahead

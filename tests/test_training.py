@@ -25,7 +25,6 @@ from training.objective import (
     Rollout,
     make_batch,
     next_masks,
-    version_mixed_mask,
 )
 from training.store import Conversation
 
@@ -41,40 +40,28 @@ def test_mask_recurrence_on_hand_built_examples():
     assert next_masks(m2, a2, data).tolist() == [[0, 0, 1, 0, 0, 0, 0]]
 
 
-def test_version_mixed_mask_layout():
-    valid = torch.tensor([[True, True, True, True]])
-    mask = version_mixed_mask(3, valid)[0, 0].int()  # [4, 12]: keys of versions 0 | 1 | 2
-    v0, v1, v2 = mask[:, :4], mask[:, 4:8], mask[:, 8:]
-    assert v2.tolist() == torch.eye(4, dtype=torch.int).tolist()  # d = 0 -> version k-1
-    assert v1.tolist() == torch.eye(4, dtype=torch.int).roll(-1, 1).tril().tolist()  # d = 1 -> version 1
-    assert v0.tolist() == torch.ones(4, 4, dtype=torch.int).tril(-2).tolist()  # d >= 2 -> version 0
-    assert version_mixed_mask(1, valid)[0, 0].tolist() == torch.ones(4, 4, dtype=torch.bool).tril().tolist()
-
-
-@pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_version_mixed_attention_equals_naive_reference(k):
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_chain_attention_equals_naive_reference(k):
+    """Pass k's query at t sees key s of version max(k-1-(t-s), 0) for every s <= t; version k-1 is its own new key."""
     torch.manual_seed(k)
     b, t, nh, nkv, d = 2, 7, 4, 2, 8
-    valid = torch.ones(b, t, dtype=torch.bool)
-    valid[1, 5:] = False  # padding
-    q = torch.randn(b, nh, t, d)
-    keys = [torch.randn(b, nkv, t, d) for _ in range(k)]
-    values = [torch.randn(b, nkv, t, d) for _ in range(k)]
-    got = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2),
-                                         attn_mask=version_mixed_mask(k, valid), enable_gqa=True)
+    index = torch.tensor([[3, 5, 6], [k - 1, 4, 6]])  # [B, Tq] query positions, each far enough for its chain
+    q = torch.randn(b, nh, 3, d)
+    keys = [torch.randn(b, nkv, t, d) for _ in range(k - 1)]
+    values = [torch.randn(b, nkv, t, d) for _ in range(k - 1)]
+    k_new, v_new = torch.randn(b, nkv, 3, d), torch.randn(b, nkv, 3, d)
+    got = Rollout.chain(index, k, keys, values)(q, k_new, v_new)  # [B, nh, Tq, D]
     for bi in range(b):
-        for ti in range(t):
+        for j, ti in enumerate(index[bi].tolist()):
             ks, vs = [], []
             for s in range(ti + 1):
-                if valid[bi, s]:
-                    version = max(k - 1 - (ti - s), 0)
-                    ks.append(keys[version][bi, :, s])
-                    vs.append(values[version][bi, :, s])
+                version = max(k - 1 - (ti - s), 0)
+                ks.append(k_new[bi, :, j] if version == k - 1 else keys[version][bi, :, s])
+                vs.append(v_new[bi, :, j] if version == k - 1 else values[version][bi, :, s])
             kk = torch.stack(ks, 1).repeat_interleave(nh // nkv, 0)  # [nh, S, d]
             vv = torch.stack(vs, 1).repeat_interleave(nh // nkv, 0)
-            att = ((q[bi, :, ti, None] @ kk.transpose(1, 2)) / math.sqrt(d)).softmax(-1)  # [nh, 1, S]
-            want = (att @ vv)[:, 0]
-            torch.testing.assert_close(got[bi, :, ti], want, rtol=1e-5, atol=1e-5)
+            att = ((q[bi, :, j, None] @ kk.transpose(1, 2)) / math.sqrt(d)).softmax(-1)  # [nh, 1, S]
+            torch.testing.assert_close(got[bi, :, j], (att @ vv)[:, 0], rtol=1e-5, atol=1e-5)
 
 
 def synthetic_items(target, n: int, length: int, seed: int = 0) -> list[Conversation]:

@@ -40,21 +40,27 @@ from griffin.draft import DraftModel
 from .losses import TokenLoss, adaspec_select, make_token_loss, per_token_fkl
 
 
-def version_mixed_mask(pass_index: int, valid: torch.Tensor) -> torch.Tensor:
-    """Boolean attention mask of pass ``k`` (1-based) over keys of versions 0..k-1 concatenated in that order.
+def chain_attention(q: torch.Tensor, keys0: torch.Tensor, values0: torch.Tensor, chain_keys: torch.Tensor,
+                    chain_values: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """Attention of draft-chain queries: a query sees the version-0 keys (pass 1's, from the target's features) at
+    positions up to ``limit``, where its chain starts, and then its own chain's keys, one per later version (the
+    diagonal attention): ``T + C`` keys per query, where concatenating every version's keys behind a mask would
+    cost ``(C + 1) * T``.
 
-    valid [B, T] (True on real tokens) -> [B, 1, T, k*T]: query ``t`` may see key ``s`` of version ``j`` iff
-    ``s <= t``, ``j == max(k-1-(t-s), 0)`` and ``s`` is not padding.
+    q [B, nh, Tq, D]; keys0 / values0 [B, nkv, T, D]; chain_keys / chain_values [B, nkv, Tq, C, D]; limit [B, Tq]
+    -> [B, nh, Tq, D]. Query head ``i`` reads key head ``i // (nh / nkv)``, as transformers' grouped attention.
     """
-    k = pass_index
-    b, t = valid.shape
-    pos = torch.arange(t, device=valid.device)
-    d = pos[:, None] - pos[None, :]  # [T, T] query minus key position
-    wanted = (k - 1 - d).clamp(min=0)  # version each key position must have for this query
-    versions = torch.arange(k, device=valid.device)[:, None, None]  # [k, 1, 1]
-    allowed = (d >= 0) & (wanted == versions)  # [k, T, T]
-    allowed = allowed.permute(1, 0, 2).reshape(t, k * t)  # [T, k*T]
-    return (allowed[None] & valid.repeat(1, k)[:, None, :])[:, None]  # [B, 1, T, k*T]
+    b, nh, tq, d = q.shape
+    nkv, t = keys0.shape[1], keys0.shape[2]
+    q = q.reshape(b, nkv, nh // nkv * tq, d) * d**-0.5  # the query heads of one key head side by side
+    prefix = (q @ keys0.transpose(-1, -2)).view(b, nkv, -1, tq, t)  # [B, nkv, g, Tq, T]
+    allowed = torch.arange(t, device=q.device) <= limit[..., None]  # [B, Tq, T]
+    prefix = prefix.masked_fill(~allowed[:, None, None], -torch.inf)
+    chain = torch.einsum("bngqd,bnqcd->bngqc", q.view(b, nkv, -1, tq, d), chain_keys)  # [B, nkv, g, Tq, C]
+    weights = torch.cat((prefix, chain), dim=-1).softmax(-1)
+    out = (weights[..., :t].flatten(2, 3) @ values0).view(b, nkv, -1, tq, d)
+    out = out + torch.einsum("bngqc,bnqcd->bngqd", weights[..., t:], chain_values)
+    return out.reshape(b, nh, tq, d)
 
 
 def next_masks(mask: torch.Tensor, aligned: torch.Tensor, data_mask: torch.Tensor) -> torch.Tensor:
@@ -275,10 +281,7 @@ class Rollout:
                 inputs = features.new_zeros(*slots.index.shape, features.shape[-1])  # [B, Tq, H]
                 inputs[slots.used] = features.flatten(0, 1)[rows - 1]  # the previous pass's regress at t-1
                 h = draft.fuse(slots.take(batch.tokens), inputs)
-                own = torch.eye(slots.index.shape[1], dtype=torch.bool, device=device)  # version k-1: itself only
-                earlier = slots.take(version_mixed_mask(k, batch.valid)[:, 0])[..., : (k - 1) * t]  # [B, Tq, (k-1)T]
-                attend = torch.cat((earlier, own.expand(b, -1, -1)), dim=-1)[:, None]
-                out = draft.forward_fused(h, slots.index, attend, past_kv=(torch.cat(keys, 2), torch.cat(values, 2)))
+                out = draft.forward_fused(h, slots.index, attention=self.chain(slots.index, k, keys, values))
                 if k < self.steps:
                     keys.append(slots.scatter(out.key, t))
                     values.append(slots.scatter(out.value, t))
@@ -312,6 +315,20 @@ class Rollout:
                 # [B, T, H], zeros where not computed
                 features = fed.new_zeros(b * t, fed.shape[-1]).index_copy(0, rows, fed).view(b, t, -1)
         return passes
+
+    @staticmethod
+    def chain(index: torch.Tensor, k: int, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        """Pass ``k``'s attention at positions ``index`` [B, Tq]: the query at ``t`` simulates draft step ``k`` of the
+        chain that starts after position ``t-k+1``; it sees version 0 up to there, version ``j`` (``keys[j]``,
+        [B, nkv, T, D] at the positions pass ``j+1`` computed) at ``t-k+1+j`` and its own new key (version k-1)."""
+        def attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+            nkv, d = k_new.shape[1], k_new.shape[-1]
+            at = [(index - (k - 1 - j)).clamp(min=0)[:, None, :, None].expand(-1, nkv, -1, d) for j in range(1, k - 1)]
+            chain_keys = torch.stack([keys[j].gather(2, i) for j, i in enumerate(at, 1)] + [k_new], dim=3)
+            chain_values = torch.stack([values[j].gather(2, i) for j, i in enumerate(at, 1)] + [v_new], dim=3)
+            return chain_attention(q, keys[0], values[0], chain_keys, chain_values, index - (k - 1))
+
+        return attention
 
     def counted(self, batch: Batch, data_mask: torch.Tensor, data_rows: torch.Tensor, to_local: torch.Tensor,
                 proposable_size: int) -> torch.Tensor:

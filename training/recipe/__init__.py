@@ -56,6 +56,14 @@ patches carry each changed file both ways), so a commit amends the previous one 
 work branch that no other ref holds (never on main). Bring the branch into main with ``git merge --squash``, then
 delete it, so that history holds each head once however many chunks the run trained.
 
+**The EAGLE-3 generation** (``--generation 3``): the heads ``eagle3`` (EAGLE-3: training-time test over 7 passes, no
+alignment mask) and ``griffin3`` (Token-Guided Fusion and dual heads on the fused feature, TTT with the top-3 mask),
+on the same chunks and learning rates, one head per architecture from the first chunk (no stages of K, no fork). The
+chunks' features hold the inputs of three target layers (``build_features --feature-layers auto``, 4.6 KB per token:
+``--sharegpt-store`` defaults to its own folder), and each head is scored on the fixed sets over 3 passes. Its heads
+are still training across sessions, so its export folder is tracked: ``checkpoints/<target>-recipe3`` (its own
+``recipe.json``; commit it before a machine goes, at most once a session, and a fresh clone continues from it).
+
 **Learning curve.** Every head is scored after every chunk (``training.evaluate``) on fixed validation sets: chunk 0's
 held-out ShareGPT conversations and chunk 1's held-out answers of the target, taken when the recipe first reaches
 those chunks and committed as records (``fixed-val-*.jsonl``) beside the heads, so that a fresh machine rebuilds their

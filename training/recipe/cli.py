@@ -8,27 +8,35 @@ import sys
 from griffin.constants import EMBEDDED_TARGET
 
 from ..data import DEFAULT_DATA
-from .schedule import HEADS, STAGE1
+from .schedule import GEN3, HEADS, STAGE1
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m training.recipe", description=sys.modules[__package__].__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--generation", type=int, choices=[2, 3], default=2,
+                   help="2: the shipped heads (EAGLE-2, HASS, GRIFFIN and its ablation; one target layer); 3: the "
+                        "EAGLE-3 generation, eagle3 and griffin3 (three target layers, training-time test), with "
+                        "their own work folders and record (default: %(default)s)")
     p.add_argument("--target", default=EMBEDDED_TARGET)
     p.add_argument("--data", default=DEFAULT_DATA, help="ShareGPT-format conversations (default: the wheel's)")
-    p.add_argument("--work", default="work/recipe", help="local work folder (regenerated text, chunk "
-                   "features, training runs); lost with the machine")
-    p.add_argument("--sharegpt-store", default="work/features-sharegpt",
-                   help="the feature store of all ShareGPT records, built a chunk at a time (shared, never deleted)")
-    p.add_argument("--checkpoints", default="work/recipe/heads",
-                   help="the recipe's export folder: every head after every chunk, recipe.json and its README "
-                        "(git-ignored under work/); a rerun continues from it")
+    p.add_argument("--work", help="local work folder (regenerated text, chunk features, training runs); lost with "
+                   "the machine (default: work/recipe, generation 3: work/recipe3)")
+    p.add_argument("--sharegpt-store",
+                   help="the feature store of all ShareGPT records, built a chunk at a time (shared, never deleted; "
+                        "default: work/features-sharegpt, generation 3: work/features-sharegpt-3layers)")
+    p.add_argument("--checkpoints",
+                   help="the recipe's export folder: every head after every chunk, recipe.json and its README; a "
+                        "rerun continues from it (default: work/recipe/heads, git-ignored; generation 3: "
+                        "checkpoints/<target>-recipe3, tracked, since its heads are still training: commit it before "
+                        "a machine goes, and a fresh clone continues from it)")
     p.add_argument("--ship", default="checkpoints",
                    help="where --promote ships the finished heads, as <target>-<head>; a fresh --checkpoints folder "
                         "starts from the heads there, as --record says they were trained")
-    p.add_argument("--record", default="benchmarks/results/recipe/recipe.json",
+    p.add_argument("--record",
                    help="the committed recipe.json of the run that trained the shipped heads: a fresh --checkpoints "
-                        "folder continues from it where the settings are the same")
+                        "folder continues from it where the settings are the same (default: "
+                        "benchmarks/results/recipe/recipe.json, generation 3: benchmarks/results/recipe3/recipe.json)")
     p.add_argument("--shard-records", type=int, default=256, help="records per feature shard and regeneration part")
     p.add_argument("--chunk-shards", type=int, default=4, help="shards per chunk")
     p.add_argument("--stage-chunks", default="0.5,0.25,0.25",
@@ -74,7 +82,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except (ValueError, AssertionError):
         p.error("--stage-chunks must be three positive fractions, e.g. 0.5,0.25,0.25")
     args.fractions = fractions
-    names = {h.name for h in STAGE1 + HEADS}
+    third = args.generation == 3
+    defaults = {"work": "work/recipe3" if third else "work/recipe",
+                "sharegpt_store": "work/features-sharegpt-3layers" if third else "work/features-sharegpt",
+                "checkpoints": f"checkpoints/{args.target.rstrip('/').split('/')[-1]}-recipe3" if third
+                else "work/recipe/heads",
+                "record": f"benchmarks/results/recipe{'3' if third else ''}/recipe.json"}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    names = {h.name for h in (GEN3 if third else STAGE1 + HEADS)}
     args.heads = [h for h in args.heads.split(",") if h] if args.heads else []
     if any(h not in names for h in args.heads):
         p.error(f"--heads must name some of {', '.join(sorted(names))}")

@@ -11,7 +11,7 @@ from griffin.io import atomic_write_json, atomic_write_text
 
 from ..data import iter_records
 from ..store import StoreError
-from .schedule import HEADS, SCHEDULE, STAGE1, Head, chunk_source, fixed_sets, stage_of
+from .schedule import SCHEDULE, Head, all_heads, chunk_source, final_heads, fixed_sets, stage_of
 
 STATE = "recipe.json"
 
@@ -37,6 +37,7 @@ def load_state(path: Path, cfg: dict) -> dict:
     if not path.is_file():
         return {"settings": cfg, "heads": {}, "curve": [], "timings": []}
     state = json.loads(path.read_text())
+    state["settings"].setdefault("generation", 2)  # records from before --generation
     if bool(state["settings"]["regen_records"]) != bool(cfg["regen_records"]):
         raise StoreError(f"{path} was made {'with' if state['settings']['regen_records'] else 'without'} regenerated "
                          "answers: rerun with --regen-records "
@@ -87,7 +88,7 @@ def progress_markdown(cfg: dict, state: dict) -> str:
     from griffin.report import markdown_table
 
     heads = markdown_table(["head", "chunks consumed", "of"], [[h.name, consumed_text(state, h), cfg["chunks"]]
-                                                              for h in STAGE1 + HEADS])
+                                                              for h in all_heads(cfg)])
     kinds = list(fixed_sets(cfg))
     curve = markdown_table(["head", "chunk", "K", "peak LR", "tokens seen"]
                            + [f"fixed {k}: top-1 per pass" for k in kinds]
@@ -106,7 +107,7 @@ def progress_markdown(cfg: dict, state: dict) -> str:
                              t.get("regenerate_s", "-"),
                              t.get("features_s", "-"), ", ".join(f"{k} {v}" for k, v in t["train_s"].items())]
                             for t in state["timings"]])
-    finished = all(chunks_done(state, h) >= cfg["chunks"] for h in HEADS)
+    finished = all(chunks_done(state, h) >= cfg["chunks"] for h in final_heads(cfg))
     title = ("# The recipe's heads (complete: `python -m training.recipe --promote` ships them)" if finished
              else "# Heads in training (work in progress)")
     return (f"{title}\n\nWritten by `python -m training.recipe` after every chunk; "
@@ -132,4 +133,4 @@ def plan_text(cfg: dict, state: dict) -> str:
             f"{cfg['chunks']} chunks (ShareGPT{' and regenerated answers' if cfg['regen_records'] else ''}); stages "
             f"end at chunks {cfg['stage_ends']}; {cfg['regen_records']} regenerated first turns per group from "
             "now on; chunks "
-            "consumed: " + ", ".join(f"{h.name} {consumed_text(state, h)}" for h in STAGE1 + HEADS) + ".")
+            "consumed: " + ", ".join(f"{h.name} {consumed_text(state, h)}" for h in all_heads(cfg)) + ".")

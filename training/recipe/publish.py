@@ -15,7 +15,7 @@ from griffin.io import atomic_write_json, atomic_write_text
 from ..store import StoreError
 from . import scheduler
 from .progress import chunks_done, load_state, progress_markdown, save_state
-from .schedule import HEADS, fixed_sets
+from .schedule import final_heads, fixed_sets
 from .steps import fixed_records_file, head_folder
 
 log = logging.getLogger("recipe")
@@ -34,13 +34,13 @@ def promote(args, cfg: dict, state: dict) -> int:
     """Every stage-2 head that has consumed every chunk -> ``shipped_folder``; the record of the run (recipe.json,
     its tables as progress.md, the fixed validation sets) -> beside ``--record``: a fresh work folder continues from
     there."""
-    behind = [f"{h.name} {chunks_done(state, h)}" for h in HEADS if chunks_done(state, h) < cfg["chunks"]]
+    behind = [f"{h.name} {chunks_done(state, h)}" for h in final_heads(cfg) if chunks_done(state, h) < cfg["chunks"]]
     if behind:
         raise ValueError(f"--promote ships finished heads, but these have consumed fewer than all {cfg['chunks']} "
                          f"chunks: {', '.join(behind)}; run the recipe to the end first (the same command without "
                          "--promote)")
     record = Path(args.record)
-    for head in HEADS:
+    for head in final_heads(cfg):
         dst = shipped_folder(args, head.name)
         seen = next(p["tokens_seen"] for p in reversed(state["curve"]) if p["head"] == head.name)
         scheduler.python("training.export", str(head_folder(args, head.name)), str(dst), "--name", head.label,
@@ -80,8 +80,8 @@ def start_from_shipped(args, cfg: dict, path: Path) -> None:
     if record is None:
         return
     state = load_state(record, cfg)
-    started = [h for h in HEADS if h.name in state["heads"]]
-    needed = [h.name for h in started] + sorted({h.parent for h in HEADS if h not in started and h.parent})
+    started = [h for h in final_heads(cfg) if h.name in state["heads"]]
+    needed = [h.name for h in started] + sorted({h.parent for h in final_heads(cfg) if h not in started and h.parent})
     for name in needed:
         stages = shipped_folder(args, name) / "stages.json"
         consumed = len(state["heads"].get(name, {}).get("chunks", []))

@@ -15,7 +15,7 @@ from ..store import MANIFEST, StoreError
 from . import publish, scheduler, steps
 from .cli import parse_args
 from .progress import STATE, chunk_timing, chunks_done, count_records, load_state, plan_text, save_state
-from .schedule import HEADS, Head, chunk_source, heads_of, settings, stage_of
+from .schedule import Head, all_heads, chunk_source, heads_of, settings, stage_of
 from .scheduler import AHEAD, SLOTS, STOPPING, present_steps, stop_on_signals, stop_steps
 from .steps import (
     answered_seconds,
@@ -45,7 +45,7 @@ def chunks_ahead(args, cfg: dict, state: dict, chunk: int, todo: list[Head], sto
         chunks.append(following)
         following += 1
         due = following < stop and (not args.heads or any(h.name in args.heads
-                                                           for h in heads_of(stage_of(cfg, following))))
+                                                           for h in heads_of(cfg, stage_of(cfg, following))))
         following = following if due else None
     return chunks
 
@@ -62,7 +62,7 @@ def next_chunk(args, cfg: dict, state: dict, chunk: int, todo: list[Head], stop:
         moves = h.name in training or (h.name not in state["heads"] and h.parent in training)
         return chunks_done(state, h) + moves
 
-    wanted = [h for h in heads_of(stage_of(cfg, following)) if done_after(h) == following
+    wanted = [h for h in heads_of(cfg, stage_of(cfg, following)) if done_after(h) == following
               and (not args.heads or h.name in args.heads)]
     return following if wanted else None
 
@@ -151,7 +151,8 @@ def run(args: argparse.Namespace, work: Path) -> int:
     save_state(path, cfg, state)
     last_commit = 0.0  # the first head this run exports is committed at once, later ones at most every --commit-every
     stop = cfg["chunks"] if args.chunks is None else min(cfg["chunks"], args.chunks)
-    with ThreadPoolExecutor(len(HEADS) + args.ahead + 1) as pool:  # threads wait for slots, then for one step each
+    # threads wait for slots, then for one step each
+    with ThreadPoolExecutor(len(all_heads(cfg)) + args.ahead + 1) as pool:
         ahead: dict[int, tuple[Future, dict]] = {}
         try:
             for chunk in range(stop):
@@ -178,7 +179,8 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
     last commit. With --jobs 2 or more, the data of the next --ahead chunks is built meanwhile (``ahead``: chunk -> its
     build and seconds) and the heads train side by side; they are exported in order."""
     stage = stage_of(cfg, chunk)
-    todo = [h for h in heads_of(stage) if chunks_done(state, h) == chunk and (not args.heads or h.name in args.heads)]
+    todo = [h for h in heads_of(cfg, stage)
+            if chunks_done(state, h) == chunk and (not args.heads or h.name in args.heads)]
     if not todo:
         with SLOTS:  # builds ahead that wait for this chunk's training go on
             scheduler.FREE["submitted"] = max(scheduler.FREE["submitted"], chunk)
@@ -216,7 +218,7 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
         timing["train_s"][head.name] = train_seconds(run)
         export(args, state, head, chunk, run, fixed)
         last = head is todo[-1]
-        if all(chunks_done(state, h) > chunk for h in heads_of(stage)):  # no head will read its answers again
+        if all(chunks_done(state, h) > chunk for h in heads_of(cfg, stage)):  # no head will read its answers again
             answers_file(args, chunk).unlink(missing_ok=True)
         collect_ahead(state, cfg, ahead)
         save_state(path, cfg, state)

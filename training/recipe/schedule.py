@@ -17,9 +17,10 @@ class Head:
     name: str  # its folder under --checkpoints is wip-<name>
     label: str  # the method's name in the card
     arch: str
-    steps: tuple[int, int, int]  # K in stages 1, 2, 3
+    steps: tuple[int, int, int]  # K in stages 1, 2, 3 (training-time-test heads: the passes scored)
     topk: int
     parent: str | None = None  # the stage-1 head it forks from at stage 2
+    ttt: int = 0  # training-time test over this many passes instead of K (the EAGLE-3 generation)
 
 
 STAGE1 = [Head("griffin-s1", "GRIFFIN (stage 1, K=1)", "griffin", (1, 1, 1), 3),
@@ -33,12 +34,20 @@ HEADS = [Head("griffin", "GRIFFIN", "griffin", (1, 2, 3), 3, "griffin-s1"),
          Head("eagle2", "EAGLE-2", "eagle", (1, 1, 1), 3, "eagle-s1")]
 
 
+# The EAGLE-3 generation (``--generation 3``): fused features of three target layers, training-time test over 7
+# passes from the first chunk, one head per architecture and no fork; scored on the fixed sets over 3 passes.
+GEN3 = [Head("eagle3", "EAGLE-3", "eagle3", (3, 3, 3), 0, ttt=7),
+        Head("griffin3", "GRIFFIN on EAGLE-3 (TGF + dual heads, TTT with a top-3 alignment mask)", "griffin3",
+             (3, 3, 3), 3, ttt=7)]
+
+
 def settings(args: argparse.Namespace, records: int) -> dict:
     shards = math.ceil(records / args.shard_records)
     chunks = math.ceil(shards / args.chunk_shards) * (2 if args.regen_records else 1)
     total = sum(args.fractions)
     ends = [round(chunks * sum(args.fractions[: s + 1]) / total) for s in range(3)]
-    return {"target": args.target, "data": args.data, "records": records, "shard_records": args.shard_records,
+    return {"generation": args.generation, "target": args.target, "data": args.data, "records": records,
+            "shard_records": args.shard_records,
             "shards": shards, "chunk_shards": args.chunk_shards, "chunks": chunks, "stage_ends": ends,
             "regen_records": min(math.ceil(args.regen_records / args.shard_records) * args.shard_records,
                                  args.chunk_shards * args.shard_records),
@@ -50,8 +59,19 @@ def stage_of(cfg: dict, chunk: int) -> int:
     return next(s + 1 for s, end in enumerate(cfg["stage_ends"]) if chunk < end)
 
 
-def heads_of(stage: int) -> list[Head]:
+def heads_of(cfg: dict, stage: int) -> list[Head]:
+    if cfg["generation"] == 3:
+        return GEN3
     return STAGE1 if stage == 1 else HEADS
+
+
+def final_heads(cfg: dict) -> list[Head]:
+    """The heads the recipe ships."""
+    return GEN3 if cfg["generation"] == 3 else HEADS
+
+
+def all_heads(cfg: dict) -> list[Head]:
+    return GEN3 if cfg["generation"] == 3 else STAGE1 + HEADS
 
 
 def peak_lr(cfg: dict, chunk: int) -> float:

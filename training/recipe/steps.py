@@ -17,7 +17,7 @@ from ..regenerate import part_cost_file, part_file
 from ..store import BUILD, MANIFEST, StoreError, shard_name, write_manifest
 from . import scheduler
 from .progress import add_seconds, chunk_timing, chunks_done
-from .schedule import HEADS, STAGE1, Head, chunk_source, fixed_sets, heads_of, peak_lr, stage_of
+from .schedule import Head, all_heads, chunk_source, fixed_sets, heads_of, peak_lr, stage_of
 
 ANSWERS = "regen-answers"  # in --checkpoints: the target's answers of the chunks some head has yet to train on
 
@@ -67,7 +67,7 @@ def keep_parts(args, cfg: dict, state: dict) -> None:
     for chunk in range(cfg["chunks"]):
         kind, shards = chunk_source(cfg, chunk)
         if kind != "regen" or answers_file(args, chunk).is_file() or all(
-                chunks_done(state, h) > chunk for h in heads_of(stage_of(cfg, chunk))):
+                chunks_done(state, h) > chunk for h in heads_of(cfg, stage_of(cfg, chunk))):
             continue
         out, kept = Path(args.work) / "regen", Path(args.checkpoints) / ANSWERS
         for part in shards:
@@ -140,12 +140,17 @@ def chunk_records(state: dict, cfg: dict, chunk: int) -> int:
     return chunk_timing(state, cfg, chunk).setdefault("regen_records", cfg["regen_records"])
 
 
+def layers(cfg: dict) -> list[str]:
+    """build_features' option for the features the recipe's heads read (the EAGLE-3 generation: three layers)."""
+    return ["--feature-layers", "auto"] if cfg["generation"] == 3 else []
+
+
 def build_chunk(args, cfg: dict, chunk: int, timing: dict, records: int = 0) -> Path:
     """-> the chunk's feature store (built here unless it exists); the seconds of each step go to ``timing`` (a
     chunk's row of ``recipe.json``'s timings, ``add_seconds``); ``records``: the first turns answered for a chunk of
     the target's answers (``chunk_records``)."""
     kind, shards = chunk_source(cfg, chunk)
-    common = ["--target", cfg["target"], "--max-len", str(cfg["max_len"]), "--dtype", args.dtype]
+    common = ["--target", cfg["target"], "--max-len", str(cfg["max_len"]), "--dtype", args.dtype, *layers(cfg)]
     if kind == "regen":
         store = Path(args.work) / "regen-features" / f"chunk-{chunk:03d}"
         if not (store / MANIFEST).is_file():
@@ -231,7 +236,8 @@ def fixed_val_stores(args, cfg: dict, state: dict, upto: int) -> dict[str, Path]
         stores[kind] = Path(args.work) / f"fixed-val-{kind}"
         if not (stores[kind] / MANIFEST).is_file():
             scheduler.python("training.build_features", "--data", str(records), "--out", str(stores[kind]),
-                             "--target", cfg["target"], "--max-len", str(cfg["max_len"]), "--dtype", args.dtype)
+                             "--target", cfg["target"], "--max-len", str(cfg["max_len"]), "--dtype", args.dtype,
+                             *layers(cfg))
     return stores
 
 
@@ -268,7 +274,7 @@ def train_seconds(run: Path) -> int:
 
 def backfill_fixed_val(args, state: dict, stores: dict[str, Path]) -> None:
     """Score the curve's earlier points on the fixed sets where their runs are still on this machine."""
-    heads = {h.name: h for h in STAGE1 + HEADS}
+    heads = {h.name: h for h in all_heads(state["settings"])}
     for point in state["curve"]:
         run = run_folder(args, point["head"], point["chunk"])
         missing = {kind: store for kind, store in stores.items() if kind not in point.get("fixed", {})}
@@ -290,7 +296,8 @@ def train(args, cfg: dict, state: dict, head: Head, chunk: int, store: Path) -> 
         init = local if (local / "model.safetensors").is_file() and (local / "validation.json").is_file() else \
             head_folder(args, source)
     lr = peak_lr(cfg, chunk)
-    argv = ["--features", str(store), "--out", str(run), "--arch", head.arch, "--steps", str(head.steps[stage - 1]),
+    passes = ["--ttt-steps", str(head.ttt)] if head.ttt else ["--steps", str(head.steps[stage - 1])]
+    argv = ["--features", str(store), "--out", str(run), "--arch", head.arch, *passes,
             "--topk", str(head.topk), "--lr", f"{lr:.3g}", "--epochs", "1", "--batch-size", str(cfg["batch_size"]),
             "--draft-vocab", str(cfg["draft_vocab"]), "--mixed-precision", autocast(args), "--save-every", "50"]
     if init is not None:
