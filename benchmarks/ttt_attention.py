@@ -17,6 +17,7 @@ import platform
 import statistics
 import sys
 import time
+from functools import partial
 
 
 def masked_sdpa(q, keys, values, k_new, v_new, mask):
@@ -65,9 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             k_new = torch.randn(b, nkv, tq, d, dtype=dtype, requires_grad=True)
             v_new = torch.randn(b, nkv, tq, d, dtype=dtype, requires_grad=True)
             mask = version_mask(index, k, t)
-            chain = Rollout.chain(index, k, keys, values)
-            methods = {"masked SDPA": lambda: masked_sdpa(q, keys, values, k_new, v_new, mask),
-                       "chain": lambda: chain(q, k_new, v_new)}
+            methods = {"masked SDPA": partial(masked_sdpa, q, keys, values, k_new, v_new, mask),
+                       "chain": partial(Rollout.chain(index, k, keys, values), q, k_new, v_new)}
             with torch.no_grad():
                 gap = (methods["chain"]().float() - methods["masked SDPA"]().float()).abs().max().item()
             seconds = {name: [] for name in methods}
