@@ -2,8 +2,11 @@
 
     python -m benchmarks.learning_curve
     python -m benchmarks.learning_curve --recipe benchmarks/results/recipe/recipe.json --target 0.60
+    python -m benchmarks.learning_curve --recipe benchmarks/results/recipe/recipe.json \
+        checkpoints/smollm2-135m-instruct-recipe3/recipe.json        # the EAGLE-3 generation beside the shipped heads
 
-Reads the ``recipe.json`` that ``training.recipe`` commits beside its heads (no model is run) and writes
+Reads the ``recipe.json`` that ``training.recipe`` commits beside its heads (several: their curves side by side; by
+default the shipped heads' and, while it trains, the EAGLE-3 generation's; no model is run) and writes
 ``benchmarks/results/learning-curve.{json,md,png}``: top-1 at pass 1 on the recipe's two fixed validation sets after
 every chunk, GRIFFIN's ratio to EAGLE at the same tokens, and per head and set a least-squares fit
 ``top1 = a + b * ln(tokens)`` over the points after ``--fit-from`` tokens. A head forked from a stage-1 head at stage 2
@@ -28,19 +31,24 @@ from griffin.io import read_json
 from griffin.report import command_line, markdown_table, write_benchmark
 
 DEFAULT_RECIPE = "benchmarks/results/recipe/recipe.json"
-PAIRS = {"griffin-s1": "eagle-s1", "griffin": "eagle2"}  # a GRIFFIN head and the EAGLE head with its data and budget
+RECIPE3 = "checkpoints/smollm2-135m-instruct-recipe3/recipe.json"  # training.recipe --generation 3, while it trains
+# a GRIFFIN head and the EAGLE head with its data and budget
+PAIRS = {"griffin-s1": "eagle-s1", "griffin": "eagle2", "griffin3": "eagle3"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.learning_curve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", default=DEFAULT_RECIPE, help="the recipe.json of training.recipe")
+    p.add_argument("--recipe", nargs="+", help="recipe.json files of training.recipe (default: the shipped heads' "
+                   "record, and the EAGLE-3 generation's where it exists)")
     p.add_argument("--target", type=float, default=0.60, help="the top-1 whose tokens the fit extrapolates to")
     p.add_argument("--fit-from", type=int, default=1_000_000, help="fit only points after this many tokens")
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--stem", default="learning-curve")
     args = p.parse_args(argv)
     args.argv = argv
+    if args.recipe is None:
+        args.recipe = [DEFAULT_RECIPE] + ([RECIPE3] if Path(RECIPE3).is_file() else [])
     return args
 
 
@@ -122,7 +130,8 @@ def table(result: dict) -> str:
     ratio_rows = [[heads, kind, r["chunk"], f"{r['tokens']:,}", f"{r['ratio']:.3f}x"]
                   for (heads, kind), r in latest.items()]
     return ("# Learning curve of the recipe's heads\n\n"
-            f"Validation top-1 at pass 1 on the recipe's fixed sets after every chunk (`{result['recipe']}`). "
+            "Validation top-1 at pass 1 on the recipe's fixed sets after every chunk ("
+            + ", ".join(f"`{r}`" for r in result["recipe"]) + "). "
             f"Fit: least squares `top1 = a + b ln(tokens)` over the points after {result['fit_from']:,} tokens, a "
             "stage-2 head's after its stage-1 parent's before the fork; "
             f"'tokens for {result['target']:.2f}' extrapolates that line (an estimate from the curve so far, not "
@@ -167,10 +176,15 @@ def plot(result: dict, path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    state = read_json(args.recipe, "recipe state")
-    if not isinstance(state, dict) or not state.get("curve"):
-        raise ValueError(f"{args.recipe} has no learning curve yet: run python -m training.recipe first")
-    result = curve(state, args.fit_from, args.target)
+    states = [read_json(path, "recipe state") for path in args.recipe]
+    for path, state in zip(args.recipe, states):
+        if not isinstance(state, dict) or not state.get("curve"):
+            raise ValueError(f"{path} has no learning curve yet: run python -m training.recipe first")
+    # one record of every head: the generations' head names differ, and they share the chunks
+    merged = {"curve": [p for s in states for p in s["curve"]], "heads": {k: v for s in states for k, v in
+                                                                          s.get("heads", {}).items()},
+              "timings": states[0].get("timings", [])}
+    result = curve(merged, args.fit_from, args.target)
     result.update(recipe=args.recipe, command=command_line("benchmarks.learning_curve", args.argv))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -52,3 +52,16 @@ def test_a_stage2_head_is_fitted_over_its_lineage_and_each_kind_of_chunk_shows_i
     # chunk 4 (ShareGPT) moved griffin from its parent's 0.36 to 0.37, chunk 5 (answers) from 0.37 to 0.41
     assert math.isclose(line["gain_by_kind"]["sharegpt"], (0.02 + 0.01) / 2)
     assert math.isclose(line["gain_by_kind"]["regen"], (0.02 + 0.02 + 0.04) / 3)
+
+
+def test_two_records_are_drawn_side_by_side_with_the_eagle3_generations_pair(tmp_path):
+    shipped = tmp_path / "recipe.json"
+    shipped.write_text(json.dumps({"curve": [point("griffin", c, (c + 1) * 1_000_000, 0.4) for c in range(3)]}))
+    third = tmp_path / "recipe3.json"
+    third.write_text(json.dumps({"curve": [point(h, c, (c + 1) * 1_000_000, top1) for c in range(3)
+                                           for h, top1 in (("eagle3", 0.30), ("griffin3", 0.33))]}))
+    assert learning_curve.main(["--recipe", str(shipped), str(third), "--out-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "learning-curve.json").read_text())
+    assert sorted(result["heads"]) == ["eagle3", "griffin", "griffin3"]
+    assert {r["heads"] for r in result["ratios"]} == {"griffin3/eagle3"}
+    assert "| griffin3/eagle3 | regen | 2 | 3,000,000 | 1.100x |" in (tmp_path / "learning-curve.md").read_text()
