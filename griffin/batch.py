@@ -112,6 +112,8 @@ class BatchHeadDrafter:
         self.vocab.add(inputs.flatten())
         self.lengths = [p.shape[0] for p in prompts]
         self.cache.length = 0
+        cache = self.cache  # rows that finished at their first token never reach the drafter
+        cache.keys, cache.values = cache.keys[: len(prompts)], cache.values[: len(prompts)]
         slots = torch.arange(longest, device=device)
         lengths = torch.tensor(self.lengths, device=device)
         mask = (slots[None, None, :] <= slots[None, :, None]) & ((slots < lengths[:, None])[:, None, :]
