@@ -514,19 +514,17 @@ def _rows_seconds_per_token(gen, prompts: list[torch.Tensor], tree: tuple[int, i
         drafter = BatchHeadDrafter(gen.draft, depth, gen.top_k, total, len(prompts), longest)
     sampling, generator = calibration_sampling(gen, temperature, seed)
     stats = GenerationStats()
-    _sync(gen.device)
-    t0 = time.perf_counter()
     decode_rows(gen.backend, drafter, prompts, [max_new_tokens] * len(prompts), sampling, gen.eos_ids(None),
                 generator, stats)
-    _sync(gen.device)
-    return (time.perf_counter() - t0) / stats.new_tokens
+    return (stats.wall_s - stats.prefill_s) / max(stats.new_tokens - len(prompts), 1)  # the decoding after prefill
 
 
 def tune_batch(gen, rows: int, temperature: float = 0.0) -> dict:
     """Choose the tree for batches of ``rows``: the one-prompt record's expected acceptance of every tree
     (:func:`tune`'s table; acceptance is each row's own) against the forward-cost curve measured at this batch
     size and the head's batched cost per level; then the best estimate, a tree of half its nodes and the batched
-    plain loop generate the calibration prompts (cycled to ``rows``) in turns, and a tree is chosen only if its
+    plain loop generate the calibration prompts (cycled to ``rows``; fewer tokens per row in larger batches, timed
+    after the prefill) in turns, and a tree is chosen only if its
     median paired speedup over the plain loop beats 1 by more than the noise and :data:`MIN_GAIN`."""
     record = tuning_record(gen, temperature) or {}
     table = [r for r in record.get("candidates") or [] if r["total_tokens"] > 0 and r["depth"] > 0]
@@ -567,7 +565,8 @@ def tune_batch(gen, rows: int, temperature: float = 0.0) -> dict:
     for turn in itertools.count():
         batch = [prompts[(turn + i) % len(prompts)] for i in range(rows)]
         for tree in contenders:
-            times[tree].append(_rows_seconds_per_token(gen, batch, tree, CHECK_TOKENS, temperature, turn))
+            times[tree].append(_rows_seconds_per_token(gen, batch, tree, max(8, 2 * CHECK_TOKENS // rows),
+                                                       temperature, turn))
         if turn + 1 >= CHECK_TURNS or (turn + 1 >= MIN_TURNS and time.perf_counter() > deadline):
             break
     paired = {tree: paired_speedup(times[PLAIN], times[tree]) for tree in contenders if tree != PLAIN}

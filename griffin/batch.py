@@ -233,7 +233,8 @@ def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | None, prompt
     """prompts [P_b] -> each row's new tokens (up to and including its first EOS, at most ``budgets[b]``).
 
     ``drafter`` None: the batched plain loop. ``stats`` counts per row and cycle (``tau``: tokens per row per target
-    pass). One host sync per cycle; rows that finish leave the batch."""
+    pass; ``prefill_s``: the prompts' prefill and first tokens, ``wall_s``: all). One host sync per cycle; rows that
+    finish leave the batch."""
     started = time.perf_counter()
     device = eos.device
     extra = drafter.total_tokens + 1 if drafter is not None else 1
@@ -248,12 +249,14 @@ def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | None, prompt
         last.append(logits[-1])
     tokens = pick(torch.stack(last), sampling, generator)  # [B]
     host = torch.cat((tokens, torch.isin(tokens, eos).long())).tolist()  # host sync
+    stats.prefill_s += time.perf_counter() - started
     out = [[t] for t in host[: len(prompts)]]
     active = [r for r, stop in enumerate(host[len(prompts) :]) if not stop and budgets[r] > 1]
     stats.new_tokens += len(prompts)
     if len(active) < len(prompts):
         tokens = tokens[active]
         if not active:
+            stats.wall_s += time.perf_counter() - started
             return out
         cache.select(active)
     if drafter is not None:

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from griffin import SpecGenerator
-from griffin.autotune import PLAIN, autotune_batch, tune_batch
+from griffin.autotune import PLAIN, autotune_batch
 from griffin.batch import BatchHeadDrafter, build_trees, decode_rows
 from griffin.decode import GenerationStats
 from griffin.sampling import SamplingConfig
 from tests.conftest import pooled_chisquare, tiny_model
-from tests.test_engine import HOST_READS, counted  # noqa: F401, F811 - counted is a fixture
+from tests.test_engine import counted  # noqa: F401 - a fixture
 from tests.test_generation import NoTokenizer, exact_sequences, untrained_head
 
 
@@ -128,7 +128,7 @@ def test_finished_rows_leave_the_batch():
 
 
 @pytest.mark.parametrize("temperature,total", [(0.0, 8), (1.0, 8), (0.0, 0)])
-def test_one_host_sync_per_cycle_for_the_whole_batch(counted, temperature, total):
+def test_one_host_sync_per_cycle_for_the_whole_batch(counted, temperature, total):  # noqa: F811
     target = tiny_model("llama", vocab_size=96)
     gen = SpecGenerator(target, NoTokenizer(), untrained_head(target, draft_vocab_size=40), depth=3, top_k=4,
                         total_tokens=total)
