@@ -468,6 +468,12 @@ def autotune_batch(gen, rows: int, retune: bool = False, temperature: float = 0.
     return choice["depth"], choice["total_tokens"]
 
 
+def batch_tuning_record(gen, rows: int, temperature: float = 0.0) -> dict | None:
+    """This machine's record of the tree tuned for batches of ``rows`` at ``temperature``'s band, None if none."""
+    return read_cached(_batch_path(gen, rows, temperature_band(temperature)), "batch tuning record", checked_choice,
+                       "the next batch of this size tunes again")
+
+
 @torch.inference_mode()
 def forward_cost_rows(gen, rows: int, sizes: list[int], context: int = 128, repeats: int = 5,
                       deadline: float | None = None, most: float | None = None) -> dict[int, float]:
