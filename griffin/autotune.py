@@ -528,10 +528,10 @@ def _rows_seconds_per_token(gen, prompts: list[torch.Tensor], tree: tuple[int, i
 def tune_batch(gen, rows: int, temperature: float = 0.0) -> dict:
     """Choose the tree for batches of ``rows``: the one-prompt record's expected acceptance of every tree
     (:func:`tune`'s table; acceptance is each row's own) against the forward-cost curve measured at this batch
-    size and the head's batched cost per level; then the best estimate, a tree of half its nodes and the batched
-    plain loop generate the calibration prompts (cycled to ``rows``; fewer tokens per row in larger batches, timed
-    after the prefill) in turns, and a tree is chosen only if its
-    median paired speedup over the plain loop beats 1 by more than the noise and :data:`MIN_GAIN`."""
+    size and the head's batched cost per level; then the best estimate, the best trees of at most a half and a
+    quarter of its nodes and the batched plain loop generate the calibration prompts (cycled to ``rows``; fewer tokens
+    per row in larger batches, timed after the prefill) in turns, and a tree is chosen only if its median paired
+    speedup over the plain loop beats 1 by more than the noise and :data:`MIN_GAIN`."""
     record = tuning_record(gen, temperature) or {}
     table = [r for r in record.get("candidates") or [] if r["total_tokens"] > 0 and r["depth"] > 0]
     started = time.perf_counter()
@@ -558,9 +558,10 @@ def tune_batch(gen, rows: int, temperature: float = 0.0) -> dict:
         pick = (best["depth"], best["total_tokens"])
         half = [r for r in estimates if r["total_tokens"] <= pick[1] // 2]
         contenders.append(pick)
-        if half:
+        while len(contenders) < 4 and half:  # the best estimate, then the best with at most half the nodes, twice
             smaller = max(half, key=lambda r: r["speedup"])
             contenders.append((smaller["depth"], smaller["total_tokens"]))
+            half = [r for r in estimates if r["total_tokens"] <= smaller["total_tokens"] // 2]
         choice["best_estimate"] = {"depth": pick[0], "total_tokens": pick[1], "speedup": best["speedup"]}
     elif not table:
         contenders.append(DEFAULT_TREE)
