@@ -204,13 +204,15 @@ def markdown(result: dict, png: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = {"target": args.target, "draft": args.draft, "prompts": args.prompts,
-              "max_new_tokens": args.max_new_tokens, "batch_sizes": args.batch_sizes,
-              "runs": [run_dtype(args, dtype) for dtype in args.dtypes], "machine": machine_info(),
+              "max_new_tokens": args.max_new_tokens, "batch_sizes": args.batch_sizes, "runs": [],
               "command": command_line("benchmarks.batching", args.argv)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    plot(result, out.with_suffix(".png"))
-    write_benchmark(out.parent, out.name, result, markdown(result, out.with_suffix(".png").name))
+    for dtype in args.dtypes:  # written after each dtype: an interrupted run keeps what it measured
+        result["runs"].append(run_dtype(args, dtype))
+        result["machine"] = machine_info()
+        plot(result, out.with_suffix(".png"))
+        write_benchmark(out.parent, out.name, result, markdown(result, out.with_suffix(".png").name))
     return 0
 
 
