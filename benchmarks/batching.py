@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from griffin.cli import positive_int, run_cli
+from griffin.cli import positive_int, run_cli, tree_size
 from griffin.constants import EMBEDDED_TARGET
 from griffin.report import command_line, machine_info, machine_text, markdown_table, write_benchmark
 
@@ -50,6 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=EMBEDDED_TARGET)
     p.add_argument("--draft", default=None, help="head folder (default: the head shipped for the target)")
+    p.add_argument("--total-tokens", type=tree_size, default="auto",
+                   help="the tree of every batch size: an integer fixes it (0: no tree) with --depth; 'auto' (default) "
+                        "tunes one per batch size")
+    p.add_argument("--depth", type=positive_int, default=5, help="tree depth with a fixed --total-tokens")
     p.add_argument("--batch-sizes", type=sizes, default=[1, 2, 4, 8, 16])
     p.add_argument("--dtypes", type=dtypes, default=["fp32", "bf16"])
     p.add_argument("--prompts", type=positive_int, default=16, help="MT-Bench first turns (a multiple of each B)")
@@ -73,7 +77,8 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> dict:
     from griffin.sampling import SamplingConfig
     from inference.questions import load_questions
 
-    gen = SpecGenerator.from_pretrained(args.target, args.draft, dtype=dtype)
+    gen = SpecGenerator.from_pretrained(args.target, args.draft, dtype=dtype, total_tokens=args.total_tokens,
+                                        depth=args.depth)
     eos = gen.eos_ids(None)
     eos_ids = set(eos.tolist())
     pad = gen.tokenizer.pad_token_id if gen.tokenizer.pad_token_id is not None else eos.tolist()[0]
@@ -109,7 +114,7 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> dict:
 
     runs = {"ours": ours, "generate": generate, "plain loop": plain}
     trees = {b: gen.batch_tree(b) if b > 1 else (gen.depth, gen.total_tokens) for b in args.batch_sizes}  # tuned
-    reasons = {b: (batch_tuning_record(gen, b) if b > 1 else tuning_record(gen, 0.0) or {}).get("reason")
+    reasons = {b: ((batch_tuning_record(gen, b) if b > 1 else tuning_record(gen, 0.0)) or {}).get("reason", "fixed")
                for b in args.batch_sizes}
     for method in runs.values():  # warm-up: every method, batched and not
         method(prompts[:2])
