@@ -195,13 +195,17 @@ def markdown(result: dict, png: str) -> str:
         lines += [f"## {run['dtype']}\n", markdown_table(
             ["B", "tree (tuned for B)", "ours tok/s", "generate tok/s", "plain loop tok/s", "speedup vs fastest plain",
              "ours identical", "generate identical"], rows)]
-        paying = [int(b) for b, r in run["batches"].items() if r["speedup"] > 1.0]
-        stops = next((int(b) for b, r in run["batches"].items() if r["speedup"] <= 1.0), None)
-        lines.append(f"Speculation pays up to batch {max(paying) if paying else 'none'}"
-                     + (f"; from batch {stops} on it does not (the tuner's tree there: "
-                        f"{run['batches'][str(stops)]['tree']})" if stops else "; it pays at every batch size measured")
-                     + ".\n")
-    lines += [f"Command: `{result['command']}`\n", f"Machine: {machine_text(result['machine'])}.\n",
+        trees = [int(b) for b, r in run["batches"].items() if r["tree"]["total_tokens"]]
+        none = [int(b) for b, r in run["batches"].items() if not r["tree"]["total_tokens"]]
+        paying = [b for b in trees if run["batches"][str(b)]["speedup"] > 1.0]
+        lines.append(f"A tree at batch {', '.join(map(str, trees)) or 'none'}, no tree at batch "
+                     f"{', '.join(map(str, none)) or 'none'} (ours is then the plain loop: its ratio to the plain "
+                     "baselines is measurement noise). Speculation pays (a tree, above 1.0x) at batch "
+                     f"{', '.join(map(str, paying)) or 'none'}"
+                     + (f"; it stops paying from batch {min(set(trees + none) - set(paying))} on.\n"
+                        if set(trees + none) - set(paying) else ".\n"))
+    lines += [f"Command: `{result['command']}`\n", f"Machine: {machine_text(result['machine'])}; load average "
+              f"{result['machine']['load_average_1m']} when written (other processes sharing the cores).\n",
               f"![throughput]({png})\n"]
     return "\n".join(lines)
 
