@@ -55,13 +55,14 @@ import numpy
 import torch
 
 from .adapt import Shape
+from .batch import BatchHeadDrafter, decode_rows
 from .chat_template import TemplateError
 from .decode import GenerationStats, decode
 from .draft_lm import DraftLM
 from .drafters import DraftLMDrafter, head_drafter
 from .io import check_integer, read_cached, write_cached
 from .kernels import cpu_name
-from .kv_cache import BufferCache
+from .kv_cache import BufferCache, RowsCache
 from .progress import progress
 from .sampling import SamplingConfig
 from .target import cache_dir, target_fingerprint
@@ -442,6 +443,173 @@ def autotune(gen, retune: bool = False, budget_s: float | None = None,
     log.info("draft tree: %s, chosen in %.0f s: %s (%s)", describe(choice), choice["tuning_s"],
              choice["reason"], cached_in)
     return choice["depth"], choice["top_k"], choice["total_tokens"]
+
+
+BATCH_BUDGET_S = {"forward cost": 12.0, "check": 25.0}  # seconds per phase of a batch size's tuning (at least 3 turns)
+
+
+def _batch_path(gen, rows: int, temperature: float):
+    return cache_dir() / "autotune" / f"{_key(gen, temperature)}-B{rows}.json"
+
+
+def autotune_batch(gen, rows: int, retune: bool = False, temperature: float = 0.0) -> tuple[int, int]:
+    """-> (depth, total_tokens) of the tree for batches of ``rows`` prompts (total 0: the batched plain loop), tuned
+    once per batch size, machine and temperature band (:func:`tune_batch`) and cached beside the one-prompt record,
+    which it starts from (tuned first if need be)."""
+    temperature = temperature_band(temperature)
+    path = _batch_path(gen, rows, temperature)
+    choice = None if retune else read_cached(path, "batch tuning record", checked_choice, "tuning again")
+    if choice is None:
+        log.info("tuning the draft tree for batches of %d on this machine (once; --total-tokens N skips it)", rows)
+        choice = tune_batch(gen, rows, temperature)
+        choice["tuned_at"] = time.strftime("%Y-%m-%d %H:%M")
+        write_cached(path, choice, "batch tuning record")
+        log.info("draft tree for batches of %d: %s", rows, choice["reason"])
+    return choice["depth"], choice["total_tokens"]
+
+
+def batch_tuning_record(gen, rows: int, temperature: float = 0.0) -> dict | None:
+    """This machine's record of the tree tuned for batches of ``rows`` at ``temperature``'s band, None if none."""
+    return read_cached(_batch_path(gen, rows, temperature_band(temperature)), "batch tuning record", checked_choice,
+                       "the next batch of this size tunes again")
+
+
+@torch.inference_mode()
+def forward_cost_rows(gen, rows: int, sizes: list[int], context: int = 128, repeats: int = 5,
+                      deadline: float | None = None, most: float | None = None) -> dict[int, float]:
+    """:func:`forward_cost` of a batch: median seconds of one target pass over n new tokens in each of ``rows`` rows
+    after ``context`` cached ones, sizes interleaved. ``most``: sizes are measured in increasing order and stop after
+    the first that costs more than this many one-token passes (larger trees cannot pay there)."""
+    ids = torch.randint(0, gen.target.config.vocab_size, (rows, context + max(sizes)), device=gen.device)
+    cache = RowsCache(gen.num_layers, context + max(sizes))
+    cache.lengths = [0] * rows
+    positions = torch.arange(context + max(sizes), device=gen.device).expand(rows, -1)
+    causal = torch.ones(context, context, dtype=torch.bool, device=gen.device).tril()
+    gen.backend.forward_rows(ids[:, :context], positions[:, :context], causal[None], cache)
+    cache.lengths = [context] * rows
+    cache.crop_to_rows()
+
+    def forward(n: int) -> float:
+        mask = torch.ones(n, n, dtype=torch.bool, device=gen.device).tril()
+        _sync(gen.device)
+        t0 = time.perf_counter()
+        gen.backend.forward_rows(ids[:, context : context + n], positions[:, context : context + n], mask[None],
+                                 cache)
+        _sync(gen.device)
+        cache.crop_to_rows()
+        return time.perf_counter() - t0
+
+    times: dict[int, list[float]] = {}
+    for r in range(repeats):
+        if r and deadline is not None and time.perf_counter() > deadline:
+            break
+        for n in sorted(sizes):
+            times.setdefault(n, []).append(forward(n))
+            if r == 0 and most is not None and n > 1 and times[n][0] > most * times[1][0]:
+                sizes = [m for m in sizes if m <= n]
+                break
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def _rows_seconds_per_token(gen, prompts: list[torch.Tensor], tree: tuple[int, int], max_new_tokens: int,
+                            temperature: float, seed: int) -> float:
+    depth, total = tree
+    drafter = None
+    if total:
+        longest = max(p.shape[0] for p in prompts) + max_new_tokens
+        drafter = BatchHeadDrafter(gen.draft, depth, gen.top_k, total, len(prompts), longest)
+    sampling, generator = calibration_sampling(gen, temperature, seed)
+    stats = GenerationStats()
+    decode_rows(gen.backend, drafter, prompts, [max_new_tokens] * len(prompts), sampling, gen.eos_ids(None),
+                generator, stats)
+    return (stats.wall_s - stats.prefill_s) / max(stats.new_tokens - len(prompts), 1)  # the decoding after prefill
+
+
+def tune_batch(gen, rows: int, temperature: float = 0.0) -> dict:
+    """Choose the tree for batches of ``rows``: the one-prompt record's expected acceptance of every tree
+    (:func:`tune`'s table; acceptance is each row's own) against the forward-cost curve measured at this batch
+    size and the head's batched cost per level; then the best estimate, the best trees of at most a half and a
+    quarter of its nodes and the batched plain loop generate the calibration prompts (cycled to ``rows``; fewer tokens
+    per row in larger batches, timed after the prefill) in turns, and a tree is chosen only if its median paired
+    speedup over the plain loop beats 1 by more than the noise and :data:`MIN_GAIN`."""
+    record = tuning_record(gen, temperature) or {}
+    table = [r for r in record.get("candidates") or [] if r["total_tokens"] > 0 and r["depth"] > 0]
+    started = time.perf_counter()
+    choice: dict = {"rows": rows, "top_k": gen.top_k, "temperature": temperature, "lookup": 0}
+    estimates: list[dict] = []
+    if table:
+        most = max(r["tau"] for r in table)
+        sizes = sorted({1} | {r["total_tokens"] + 1 for r in table})
+        costs = forward_cost_rows(gen, rows, sizes, most=most,
+                                  deadline=started + BATCH_BUDGET_S["forward cost"])
+        running = 0.0
+        for n in sorted(costs):
+            running = costs[n] = max(costs[n], running)
+        level = _draft_level_rows(gen, rows)
+        overhead = record.get("cycle_overhead_s", 0.0)
+        for r in table:
+            if r["total_tokens"] + 1 <= max(costs):
+                cost = interpolate(costs, r["total_tokens"] + 1) + r["depth"] * level + overhead
+                estimates.append(r | {"speedup": r["tau"] * costs[1] / cost})
+        choice.update(forward_cost_s=costs, draft_level_s=level)
+    contenders = [PLAIN]
+    if estimates:
+        best = max(estimates, key=lambda r: r["speedup"])
+        pick = (best["depth"], best["total_tokens"])
+        half = [r for r in estimates if r["total_tokens"] <= pick[1] // 2]
+        contenders.append(pick)
+        while len(contenders) < 4 and half:  # the best estimate, then the best with at most half the nodes, twice
+            smaller = max(half, key=lambda r: r["speedup"])
+            contenders.append((smaller["depth"], smaller["total_tokens"]))
+            half = [r for r in estimates if r["total_tokens"] <= smaller["total_tokens"] // 2]
+        choice["best_estimate"] = {"depth": pick[0], "total_tokens": pick[1], "speedup": best["speedup"]}
+    elif not table:
+        contenders.append(DEFAULT_TREE)
+    contenders = list(dict.fromkeys(contenders))
+    prompts = _calibration_prompts(gen)
+    times: dict[tuple[int, int], list[float]] = {tree: [] for tree in contenders}
+    deadline = time.perf_counter() + BATCH_BUDGET_S["check"]
+    for turn in itertools.count():
+        batch = [prompts[(turn + i) % len(prompts)] for i in range(rows)]
+        for tree in contenders:
+            times[tree].append(_rows_seconds_per_token(gen, batch, tree, max(8, 2 * CHECK_TOKENS // rows),
+                                                       temperature, turn))
+        if turn + 1 >= CHECK_TURNS or (turn + 1 >= MIN_TURNS and time.perf_counter() > deadline):
+            break
+    paired = {tree: paired_speedup(times[PLAIN], times[tree]) for tree in contenders if tree != PLAIN}
+    paying = [tree for tree, (gain, noise) in paired.items() if gain > 1 + MIN_GAIN + noise]
+    measured = {tree: statistics.median(t) for tree, t in times.items()}
+    winner = min(paying, key=measured.__getitem__) if paying else PLAIN
+    against = ", ".join(f"{_name(t)} {gain:.2f}x ± {noise:.2f}" for t, (gain, noise) in paired.items()) or "none"
+    reason = (f"{_name(winner)}: measured fastest at batch {rows}" if winner != PLAIN else
+              f"the batched plain loop: no tree beat it by more than the noise at batch {rows}") + (
+              f" (median paired speedups over the plain loop: {against})")
+    choice.update(depth=winner[0], total_tokens=winner[1], reason=reason, candidates=estimates,
+                  measured_s_per_token={f"{d}x{n}": t for (d, n), t in measured.items()},
+                  measured_speedup_over_plain={f"{d}x{n}": g for (d, n), (g, _) in paired.items()},
+                  tuning_s=time.perf_counter() - started)
+    return choice
+
+
+@torch.inference_mode()
+def _draft_level_rows(gen, rows: int, repeats: int = 3) -> float:
+    """Median seconds per level of the head drafting trees for ``rows`` rows at once (:data:`MAX_DEPTH` levels)."""
+    context = 64
+    drafter = BatchHeadDrafter(gen.draft, MAX_DEPTH, gen.top_k, MAX_TOTAL, rows, context + 1)
+    layers = gen.draft.config.feature_layers
+    width = gen.draft.config.hidden_size * (len(layers) if layers else 1)  # fused-feature heads read three layers
+    prompts = [torch.randint(0, gen.target.config.vocab_size, (context,), device=gen.device) for _ in range(rows)]
+    hidden = [torch.zeros(context, width, device=gen.device) for _ in range(rows)]
+    roots = torch.zeros(rows, dtype=torch.long, device=gen.device)
+    drafter.start(prompts, hidden, roots)
+    times = []
+    for _ in range(repeats):
+        _sync(gen.device)
+        t0 = time.perf_counter()
+        drafter.propose(roots)
+        _sync(gen.device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / MAX_DEPTH
 
 
 CALIBRATION_TOKENS = 64

@@ -32,7 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .family import output_logits, verification_mask
 from .kernels import WeightMajorLinears, choose_kernels
-from .kv_cache import BufferCache, cached_forward
+from .kv_cache import BufferCache, RowsCache, cached_forward
 
 PACKED_GQA = "griffin_packed_gqa_sdpa"
 CACHE_BLOCK = 256  # KV buffers grow in steps of this many positions, so that similar requests reuse them
@@ -142,6 +142,26 @@ class TargetBackend:
                                             attention_mask=mask)
             logits = output_logits(self.model, hidden[-1:] if last_logits_only else hidden)
         return features, logits
+
+    def forward_rows(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
+                     cache: RowsCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """A verification pass of B rows (batched generation): tokens [B, q] at positions [B, q] after each row's own
+        entries of ``cache``, tree_mask [B or 1, q, q] bool -> features [B, q, H] (or [B, q, 3H]), logits [B, q, V].
+        The new entries go to slots ``cache.end`` on of every row; the mask hides each row's gap before them."""
+        b, q = tokens.shape
+        allowed = torch.cat((cache.valid(tokens.device)[:, None, :].expand(b, q, -1), tree_mask.expand(b, q, q)), -1)
+        dtype = self.lm_head.weight.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=tokens.device).masked_fill_(~allowed,
+                                                                                          torch.finfo(dtype).min)
+        small = b * q <= max(self.weight_major.max_rows, 1)
+        with self.weight_major if small else contextlib.nullcontext(), self.packed_gqa:
+            out = cached_forward(self.decoder, cache, input_ids=tokens, position_ids=positions,
+                                 attention_mask=mask[:, None], output_hidden_states=self.feature_layers is not None)
+            hidden = out.last_hidden_state  # [B, q, H]
+            logits = output_logits(self.model, hidden)
+        if self.feature_layers is None:
+            return hidden, logits
+        return torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1), logits
 
     def _decode(self, cache: BufferCache, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder over ``inputs`` (one sequence) -> (the drafter's features [q, H] or, with ``feature_layers``,

@@ -19,15 +19,16 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .adapt import Shape, ShapePolicy
-from .autotune import autotune, shapes, temperature_band, tune_gamma, tuning_record
+from .autotune import autotune, autotune_batch, shapes, temperature_band, tune_gamma, tuning_record
 from .backend import TargetBackend
+from .batch import BatchHeadDrafter, decode_rows
 from .chat_template import check_messages, prompt_ids
 from .compat import check_compatible
 from .decode import GenerationStats, decode
 from .draft import DraftModel
 from .draft_lm import DraftLM, load_draft_lm
 from .drafters import DraftLMDrafter, HeadDrafter, NoDraft, PromptLookup
-from .family import check_target
+from .family import attention_windows, check_target
 from .hub import hub_id, resolve
 from .kv_cache import BufferCache
 from .sampling import SamplingConfig
@@ -35,7 +36,7 @@ from .target import EMBEDDED_TARGET, load_target, resolve_device, resolve_dtype,
 from .turns import one_thread_at_a_time
 from .verify import Drafter, Verifier
 
-__all__ = ["GenerationResult", "GenerationStats", "SpecGenerator"]
+__all__ = ["BatchResult", "GenerationResult", "GenerationStats", "SpecGenerator"]
 
 log = logging.getLogger(__name__)
 CHECKPOINTS = Path(os.environ.get("GRIFFIN_CHECKPOINTS", Path(__file__).resolve().parent.parent / "checkpoints"))
@@ -47,6 +48,16 @@ class GenerationResult:
     sequences: torch.Tensor  # [1, prompt + new] like transformers' generate
     stats: GenerationStats
     text: str = ""  # the decoded new tokens
+
+
+@dataclass
+class BatchResult:
+    """A batch's output (``generate`` given several prompts, :mod:`griffin.batch`)."""
+
+    sequences: torch.Tensor  # [B, longest prompt + most new tokens]: prompts left-padded, new tokens, then padding
+    tokens: list[list[int]]  # each row's new tokens
+    texts: list[str]  # each row's decoded new tokens
+    stats: GenerationStats  # over all rows; tau: new tokens per row per target pass
 
 
 class SpecGenerator:
@@ -94,6 +105,7 @@ class SpecGenerator:
         self._band: float | None = None  # the temperature band the current tree (or gamma) was tuned for
         self.adapt = True  # with a tuned tree, resize it per request from the tuner's shapes (griffin.adapt)
         self._shapes: list[Shape] = []  # the tuner's shapes for the current band (none for a fixed tree)
+        self._batch_trees: dict[tuple[float, int], tuple[int, int]] = {}  # (band, batch size) -> (depth, total)
 
     @classmethod
     def from_pretrained(cls, target: str | os.PathLike | PreTrainedModel = EMBEDDED_TARGET,
@@ -233,6 +245,7 @@ class SpecGenerator:
         temperature band (:mod:`griffin.autotune`); tune the greedy one now. ``retune``: measure every band again, once.
         Setting ``depth``/``total_tokens``/``gamma`` by hand afterwards holds until a generation changes the band."""
         self.autotuned, self._band, self._retune, self._retuned = True, None, retune, set()
+        self._batch_trees = {}
         self.tune_for(0.0)
 
     @one_thread_at_a_time  # its measuring generations run the target too
@@ -261,8 +274,6 @@ class SpecGenerator:
         elif isinstance(inputs, Sequence) and inputs and isinstance(inputs[0], dict):
             ids = prompt_ids(self.tokenizer, list(inputs))
         elif isinstance(inputs, torch.Tensor):
-            if inputs.dim() == 2 and inputs.shape[0] != 1:
-                raise ValueError(f"batch size {inputs.shape[0]} is not supported yet: pass one prompt")
             if inputs.dim() > 2 or inputs.is_floating_point() or inputs.is_complex() or inputs.dtype == torch.bool:
                 raise ValueError(f"token ids must be a 1D integer tensor, got dtype {inputs.dtype} and shape "
                                  f"{tuple(inputs.shape)}")
@@ -277,12 +288,35 @@ class SpecGenerator:
             raise ValueError(f"cannot generate from a {type(inputs).__name__}: pass token ids, a string or chat "
                              "messages")
         if len(ids) == 0:
-            raise ValueError("the prompt is empty: pass at least one token")
+            raise ValueError("the prompt is empty: pass at least one token (a batch: a non-empty list of prompts)")
         vocab = self.target.get_input_embeddings().num_embeddings
         out_of_range = [i for i in ids if not 0 <= int(i) < vocab]
         if out_of_range:
             raise ValueError(f"token ids {out_of_range[:5]} are outside the target's vocabulary [0, {vocab})")
         return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    def encode_batch(self, inputs, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor] | None:
+        """A batch of prompts -> each row's token ids [P_b]; None when ``inputs`` is one prompt. A batch is a list of
+        strings, token lists or chats (mixed as you like), or a [B, P] tensor of token ids, left-padded with an
+        ``attention_mask`` [B, P] (1: token, 0: padding) as transformers takes them."""
+        if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and (inputs.shape[0] > 1
+                                                                       or attention_mask is not None):
+            if attention_mask is None:
+                return [self.encode(row) for row in inputs]
+            mask = torch.as_tensor(attention_mask)
+            if mask.shape != inputs.shape:
+                raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but the token ids {tuple(inputs.shape)}"
+                                 ": pass the mask the tokenizer returned with them")
+            if not ((mask == 0) | (mask == 1)).all() or (mask[:, 1:] < mask[:, :-1]).any():
+                raise ValueError("attention_mask must be 0 (padding) then 1 (tokens) in each row: pad on the left, "
+                                 "e.g. tokenizer(..., padding=True, padding_side='left')")
+            return [self.encode(row[m.bool()]) for row, m in zip(inputs, mask.to(inputs.device), strict=True)]
+        if attention_mask is not None:
+            raise ValueError("attention_mask goes with a [B, P] tensor of token ids: pass the tensor the tokenizer "
+                             "returned with it, or a list of prompts without a mask")
+        if isinstance(inputs, (list, tuple)) and inputs and isinstance(inputs[0], (str, list, tuple, torch.Tensor)):
+            return [self.encode(row) for row in inputs]
+        return None
 
     def eos_ids(self, eos_token_id: int | Sequence[int] | None) -> torch.Tensor:
         if eos_token_id is None:
@@ -365,6 +399,19 @@ class SpecGenerator:
         check_target(self.target)
         sampling = SamplingConfig(float(temperature), float(top_p), int(top_k))
         ids = self.encode(inputs)
+        max_new_tokens = self._budget(ids, max_new_tokens, max_length)
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator(device=self.device)
+            if seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(int(seed))
+        self.tune_for(sampling.temperature)
+        return ids, max_new_tokens, sampling, generator
+
+    def _budget(self, ids: torch.Tensor, max_new_tokens: int, max_length: int | None) -> int:
+        """The new tokens a prompt may get under ``max_length`` and the target's context window."""
         if max_length is not None:
             if ids.shape[0] >= max_length:
                 raise ValueError(f"the prompt has {ids.shape[0]} tokens, which leaves no room under max_length="
@@ -379,25 +426,26 @@ class SpecGenerator:
                 log.warning("generation stops at the target's context window (%d tokens): at most %d new tokens",
                             window, window - ids.shape[0])
                 max_new_tokens = window - ids.shape[0]
-        generator = None
-        if not sampling.greedy:
-            generator = torch.Generator(device=self.device)
-            if seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(int(seed))
-        self.tune_for(sampling.temperature)
-        return ids, max_new_tokens, sampling, generator
+        return max_new_tokens
 
     @one_thread_at_a_time
     def generate(self, inputs, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, eos_token_id: int | Sequence[int] | None = None, max_length: int | None = None,
-                 seed: int | None = None, streamer=None, drafter=None) -> GenerationResult:
+                 seed: int | None = None, streamer=None, drafter=None,
+                 attention_mask: torch.Tensor | None = None) -> GenerationResult | BatchResult:
         """Generate like ``transformers``' ``generate`` (same tokens when greedy, same distribution when sampling).
 
-        ``inputs``: token ids, a string, or chat messages. ``streamer``: any transformers streamer (``put``/``end``).
-        ``drafter``: replaces the head's drafting for this call (see :mod:`griffin.drafters`).
+        ``inputs``: token ids, a string, or chat messages; or a batch (-> :class:`BatchResult`): a list of those, or
+        a [B, P] tensor left-padded with its ``attention_mask``; every row gets exactly its own output
+        (:meth:`generate_batch`). ``streamer``: any transformers streamer (``put``/``end``). ``drafter``: replaces
+        the head's drafting for this call (see :mod:`griffin.drafters`).
         """
+        rows = self.encode_batch(inputs, attention_mask)
+        if rows is not None:
+            if streamer is not None or drafter is not None:
+                raise ValueError("streamer and drafter take one prompt: generate a batch without them")
+            return self._generate_rows(rows, max_new_tokens, temperature, top_p, top_k, eos_token_id, max_length,
+                                       seed)
         ids, budget, sampling, generator = self._prepare(inputs, max_new_tokens, temperature, top_p, top_k,
                                                          max_length, seed)
         stats = GenerationStats()
@@ -414,12 +462,70 @@ class SpecGenerator:
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         return GenerationResult(torch.cat((ids, new.to(ids.device)))[None], stats, text)
 
+    def _generate_rows(self, rows: list[torch.Tensor], max_new_tokens: int, temperature: float, top_p: float,
+                       top_k: int, eos_token_id: int | Sequence[int] | None, max_length: int | None,
+                       seed: int | None) -> BatchResult:
+        """A batch through :func:`griffin.batch.decode_rows` (a batch of one: the one-prompt loop)."""
+        check_sampling_arguments(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                 max_length=max_length, seed=seed)
+        check_target(self.target)
+        sampling = SamplingConfig(float(temperature), float(top_p), int(top_k))
+        budgets = [self._budget(ids, max_new_tokens, max_length) for ids in rows]
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.seed() if seed is None else generator.manual_seed(int(seed))
+        eos = self.eos_ids(eos_token_id)
+        stats = GenerationStats()
+        self.tune_for(sampling.temperature)
+        if len(rows) == 1:
+            tokens = [torch.cat(list(self._steps(rows[0], budgets[0], sampling, eos, generator, stats))).tolist()]
+        else:
+            if isinstance(self.draft, DraftLM):
+                raise ValueError("batched generation drafts with a head: generate one prompt at a time with a draft "
+                                 "LM, or load the generator with a head")
+            depth, total = self.batch_tree(len(rows), sampling.temperature)
+            longest = max(ids.shape[0] + n for ids, n in zip(rows, budgets, strict=True))
+            if any(w is not None and w < longest + total + 1 for w in attention_windows(self.target.config)):
+                raise ValueError("this target's sliding-window layers are not batched yet: generate one prompt at a "
+                                 "time")
+            drafter = None
+            if total > 0:
+                drafter = BatchHeadDrafter(self.draft, depth, self.top_k, total, len(rows), longest)
+            tokens = decode_rows(self.backend, drafter, rows, budgets, sampling, eos, generator, stats)
+        return BatchResult(self._padded(rows, tokens), tokens,
+                           [self.tokenizer.decode(t, skip_special_tokens=True) for t in tokens], stats)
+
+    def _padded(self, rows: list[torch.Tensor], tokens: list[list[int]]) -> torch.Tensor:
+        """[B, longest prompt + most new tokens]: each prompt left-padded, then its new tokens, then padding."""
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        pad = pad if pad is not None else (self.eos_ids(None).tolist() or [0])[0]
+        longest, most = max(ids.shape[0] for ids in rows), max(len(t) for t in tokens)
+        out = torch.full((len(rows), longest + most), pad, dtype=torch.long)
+        for i, (ids, new) in enumerate(zip(rows, tokens, strict=True)):
+            out[i, longest - ids.shape[0] : longest] = ids.cpu()
+            out[i, longest : longest + len(new)] = torch.tensor(new, dtype=torch.long)
+        return out
+
+    def batch_tree(self, rows: int, temperature: float = 0.0) -> tuple[int, int]:
+        """(depth, total_tokens) of the tree batches of ``rows`` prompts draft (total 0: the batched plain loop): the
+        one tuned for that batch size on this machine (:func:`griffin.autotune.autotune_batch`) when the tree is
+        tuned, else the generator's own."""
+        if not self.autotuned:
+            return self.depth, self.total_tokens
+        key = (temperature_band(temperature), rows)
+        if key not in self._batch_trees:
+            self._batch_trees[key] = autotune_batch(self, rows, retune=self._retune, temperature=key[0])
+        return self._batch_trees[key]
+
     @one_thread_at_a_time
     def stream(self, inputs, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                eos_token_id: int | Sequence[int] | None = None, max_length: int | None = None,
                seed: int | None = None, stats: GenerationStats | None = None) -> Iterator[str]:
         """Yield text pieces as tokens are accepted (incomplete UTF-8 characters are held back until they complete or
         the generation ends); joined, the pieces are ``generate(...).text`` of the same call."""
+        if self.encode_batch(inputs) is not None:
+            raise ValueError("stream takes one prompt: generate a batch with generate(), or stream each prompt")
         ids, budget, sampling, generator = self._prepare(inputs, max_new_tokens, temperature, top_p, top_k,
                                                          max_length, seed)
         stats = stats if stats is not None else GenerationStats()
@@ -436,8 +542,12 @@ class SpecGenerator:
         if len(text) > printed:  # held back: the last character, left incomplete by the token budget or the EOS
             yield text[printed:]
 
-    def chat(self, messages: list[dict[str, str]], **kwargs) -> GenerationResult:
-        """Apply the target's chat template to ``messages`` and generate the assistant's reply (``result.text``)."""
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             **kwargs) -> GenerationResult | BatchResult:
+        """Apply the target's chat template to ``messages`` and generate the assistant's reply (``result.text``); a
+        list of conversations is a batch (``result.texts``)."""
+        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], (list, tuple)):
+            return self.generate([check_messages(m) for m in messages], **kwargs)
         return self.generate(check_messages(messages), **kwargs)
 
 

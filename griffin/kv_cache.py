@@ -138,12 +138,97 @@ class BufferCache(Cache):
             layer.crop(length)
 
 
-class DraftCache:
-    """The draft head's keys and values, [1, nkv, max_len, D]; tree nodes are appended and later cropped away."""
+def move_entries(buf: torch.Tensor, source: torch.Tensor, target: torch.Tensor) -> None:
+    """In ``buf`` [.., B, nkv, S, D], copy each row's entries at slots ``source`` [B, m] to slots ``target`` [B, m]
+    (all read before any is written)."""
+    lead = buf.dim() - 4
+    b, m = source.shape
+    shape = (*buf.shape[:lead], b, buf.shape[-3], m, buf.shape[-1])
+    view = (*([1] * lead), b, 1, m, 1)
+    buf.scatter_(-2, target.view(view).expand(shape), buf.gather(-2, source.view(view).expand(shape)))
 
-    def __init__(self, num_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        self.keys = torch.empty(1, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
-        self.values = torch.empty_like(self.keys)
+
+class RowsCache(BufferCache):
+    """A target KV cache of B rows of different lengths (batched generation, :mod:`griffin.batch`).
+
+    Row b's entries are slots ``0..lengths[b]-1`` of its row; a forward writes every row's new entries at the same
+    slots from :attr:`end` (the longest row) on, and its attention mask hides each shorter row's gap (the slots
+    between its length and ``end``). :meth:`compact` then moves each row's kept entries right after its own length.
+    """
+
+    def __init__(self, num_layers: int, max_len: int):
+        super().__init__(num_layers, max_len)
+        self.lengths: list[int] = []  # per row, on the host (the cycle's one sync brings what moves them)
+        self.where: dict[int, tuple[int, int | None]] = {}  # layer -> (its buffer, its index there; None: own pair)
+
+    def storage(self, index: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        before = len(self.buffers)
+        keys, values = super().storage(index, key, value)
+        own = len(self.buffers) == before + 2
+        self.where[index] = (len(self.buffers) - 2, None) if own else (0, index)
+        return keys, values
+
+    def fill(self, row: int, source: BufferCache) -> None:
+        """Copy the entries of a one-row cache (a prefill of row ``row`` alone) into row ``row``, from slot 0."""
+        n = source.length
+        for layer, src in zip(self.layers, source.layers, strict=True):
+            if not layer.is_initialized:  # shapes from the source, with this cache's rows
+                rows = len(self.lengths)
+                layer.lazy_initialization(src.keys[:, :, :0].expand(rows, -1, -1, -1),
+                                          src.values[:, :, :0].expand(rows, -1, -1, -1))
+            layer.keys[row, :, :n] = src.keys[0, :, :n]
+            layer.values[row, :, :n] = src.values[0, :, :n]
+        self.lengths[row] = n
+        self.crop_to_rows()
+
+    @property
+    def end(self) -> int:
+        return max(self.lengths)
+
+    def crop_to_rows(self) -> None:
+        """Every layer's length to :attr:`end`: where the next forward writes."""
+        for layer in self.layers:
+            layer.length = self.end
+
+    def valid(self, device: torch.device) -> torch.Tensor:
+        """[B, end] bool: the slots each row's entries occupy."""
+        lengths = torch.tensor(self.lengths, device=device)
+        return torch.arange(self.end, device=device)[None, :] < lengths[:, None]
+
+    def compact(self, source: torch.Tensor, counts: list[int]) -> None:
+        """Keep entries ``source`` [B, m] (slots written by the last forward, each row's own) as slots
+        ``lengths[b]..lengths[b]+m-1`` of their row, then count the first ``counts[b]`` of them. One gather and one
+        scatter per buffer (one buffer for most models); nothing waits for the device."""
+        lengths = torch.tensor(self.lengths, device=source.device)
+        target = lengths[:, None] + torch.arange(source.shape[1], device=source.device)  # [B, m]
+        for buf in self.buffers:
+            move_entries(buf, source, target)
+        self.lengths = [n + c for n, c in zip(self.lengths, counts, strict=True)]
+        self.crop_to_rows()
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (finished rows stop costing compute): a copy of each buffer's kept rows."""
+        keep = torch.tensor(rows, device=self.buffers[0].device)
+        self.buffers = [buf.index_select(buf.dim() - 4, keep) for buf in self.buffers]
+        for i, layer in enumerate(self.layers):
+            buf, index = self.where[i]
+            if index is None:
+                layer.keys, layer.values = self.buffers[buf], self.buffers[buf + 1]
+            else:
+                layer.keys, layer.values = self.buffers[buf][index, 0], self.buffers[buf][index, 1]
+        self.lengths = [self.lengths[r] for r in rows]
+        self.crop_to_rows()
+
+
+class DraftCache:
+    """The draft head's keys and values, [B, nkv, max_len, D] (B = 1 but in batched generation); tree nodes are
+    appended and later cropped away."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype, device: torch.device,
+                 rows: int = 1):
+        # zeros: a batch's attention masks a row's gaps, where a NaN of old memory would poison the masked scores
+        self.keys = torch.zeros(rows, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
         self.length = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

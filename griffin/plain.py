@@ -15,8 +15,8 @@ import torch
 
 from .family import output_logits
 from .kernels import WeightMajorLinears, choose_kernels
-from .kv_cache import BufferCache, cached_forward
-from .sampling import SamplingConfig, sample_token
+from .kv_cache import BufferCache, RowsCache, cached_forward
+from .sampling import SamplingConfig, greedy, sample, sample_token, warp
 
 
 def plain_steps(model, cache: BufferCache, token: torch.Tensor, sampling: SamplingConfig,
@@ -35,6 +35,21 @@ def plain_steps(model, cache: BufferCache, token: torch.Tensor, sampling: Sampli
         token = sample_token(output_logits(model, hidden[-1]), sampling, generator)
         yield token, (hidden if layers is None else torch.cat([out.hidden_states[i][0] for i in layers], dim=-1))
         position = position + 1
+
+
+def plain_rows_step(backend, cache: RowsCache, tokens: torch.Tensor, sampling: SamplingConfig,
+                    generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of :func:`plain_steps` for B rows of different lengths (batched generation, :mod:`griffin.batch`):
+    feed ``tokens`` [B], one per row at its own next position -> (the next tokens [B], the fed positions' features
+    [B, 1, H] or [B, 1, 3H]). Each row's new entry moves right after its own entries; the
+    kernels are those of a B-row pass (:meth:`griffin.backend.TargetBackend.forward_rows`); nothing here waits for the
+    device."""
+    end = cache.end
+    positions = torch.tensor(cache.lengths, device=tokens.device)[:, None]  # [B, 1]
+    features, logits = backend.forward_rows(tokens[:, None], positions, positions.new_ones(1, 1, 1).bool(), cache)
+    cache.compact(torch.full_like(positions, end), [1] * tokens.shape[0])
+    logits = logits[:, 0]  # [B, V]
+    return (greedy(logits) if sampling.greedy else sample(warp(logits, sampling), generator)), features
 
 
 @torch.inference_mode()

@@ -36,7 +36,7 @@ class Tree:
 
     @property
     def size(self) -> int:
-        return self.tokens.shape[0]
+        return self.tokens.shape[-1]
 
 
 def build_tree(root: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor,

@@ -281,7 +281,7 @@ BAD_CALLS = [  # (generate keyword arguments, the error's words); each is one ki
     (dict(inputs=[True, 2]), "token ids must be integers, got True"),
     (dict(inputs=None), "cannot generate from a NoneType"),
     (dict(inputs=7), "cannot generate from a int"),
-    (dict(inputs=torch.zeros(2, 3, dtype=torch.long)), "batch size 2 is not supported"),
+    (dict(inputs=torch.zeros(2, 3, dtype=torch.long), attention_mask=torch.ones(2, 2)), "attention_mask has shape"),
     (dict(inputs=[1] * 64), "the prompt has 64 tokens but the target's context window is 64 tokens"),
     (dict(inputs=[1], eos_token_id="x"), "eos_token_id must be an integer or a list of integers"),
     (dict(inputs=[{"role": "robot", "content": "hi"}]), "role 'robot', which chat templates do not know"),

@@ -1,0 +1,307 @@
+"""Batched speculative generation: B prompts of different lengths decoded together, every row exactly its own output.
+
+One static tree shape per cycle for the whole batch (the generator's tree, or the one tuned for the batch size,
+:func:`griffin.autotune.autotune_batch`), so that a cycle keeps one host sync whatever B is:
+
+1. the head drafts B trees at once (:class:`BatchHeadDrafter`: one batched head pass per level, each row over its own
+   draft context);
+2. one target pass verifies all B x (N+1) nodes, each row over its own entries of a :class:`griffin.kv_cache.RowsCache`
+   (rows have different lengths: the new entries go to the same slots of every row, the attention mask hides each
+   shorter row's gap, positions are each row's own);
+3. each row's accepted path is chosen on the device (:func:`follow_rows`, the rules of :mod:`griffin.verify`), its
+   entries moved right after the row's own (:meth:`RowsCache.compact`);
+4. one ``.tolist()`` brings every row's emitted tokens, counts and stop flags; rows that finished (EOS, budget) are
+   dropped from the caches and the drafter, so they stop costing compute.
+
+A batch of one never comes here (the generator runs :func:`griffin.decode.decode`). With no drafter the loop is the
+batched plain loop (:func:`griffin.plain.plain_rows_step`). Each prompt is prefilled alone, as a one-prompt generation
+prefills it. Not batched: prompt-lookup chains, draft LMs and per-request adaptation (the tree is the batch's).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .backend import TargetBackend
+from .decode import GenerationStats
+from .draft import DraftModel, DraftOutput
+from .drafters import MAX_CONTEXT_VOCAB, tree_nodes
+from .kv_cache import BufferCache, DraftCache, RowsCache, move_entries
+from .plain import plain_rows_step
+from .sampling import SamplingConfig, greedy, sample, warp
+from .tree import Tree
+from .vocab import DraftVocab
+
+
+def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [B, T, ..] at index [B, m] along T -> [B, m, ..]."""
+    return x.gather(1, index.view(*index.shape, *[1] * (x.dim() - 2)).expand(*index.shape, *x.shape[2:]))
+
+
+def build_trees(root: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor,
+                levels: torch.Tensor, total_tokens: int, max_depth: int) -> Tree:
+    """:func:`griffin.tree.build_tree` for B rows: root [B]; tokens / scores / parents [B, M] and levels [M] over the
+    drafted candidates (M >= ``total_tokens``) -> a :class:`Tree` whose fields have a leading row axis."""
+    b, m = scores.shape
+    device = scores.device
+    keep = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :total_tokens].sort(dim=1).values
+    n = keep.shape[1]
+    local = torch.zeros(b, m + 1, dtype=torch.long, device=device)  # candidate -> node (the last slot: the root)
+    local.scatter_(1, keep, torch.arange(1, n + 1, device=device).expand(b, n))
+    kept_parents = parents.gather(1, keep)
+    zero = torch.zeros(b, 1, dtype=torch.long, device=device)
+    node_parents = torch.cat((zero, local.gather(1, torch.where(kept_parents < 0, m, kept_parents))), dim=1)
+    depths = torch.cat((zero, levels[keep]), dim=1)
+    ancestors = torch.eye(n + 1, dtype=torch.bool, device=device).repeat(b, 1, 1)  # [B, N+1, N+1]
+    for _ in range(max_depth):
+        ancestors = ancestors | _gather_rows(ancestors, node_parents)
+    rank = torch.sort(scores.gather(1, keep), dim=1, descending=True, stable=True).indices + 1
+    return Tree(torch.cat((root[:, None], tokens.gather(1, keep)), dim=1), node_parents, depths, ancestors,
+                torch.cat((zero, rank), dim=1), max_depth)
+
+
+def follow_rows(tree: Tree, choice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`griffin.verify.follow` for B rows: trees with a leading row axis, ``choice`` [B, N+1] the token the
+    target emits after each node -> (path [B, D+1], accepted length [B], bonus [B])."""
+    b, n1 = tree.tokens.shape
+    device = choice.device
+    nodes = torch.arange(n1, device=device)
+    match = (tree.parents[:, None, :] == nodes[None, :, None]) & (tree.tokens[:, None, :] == choice[:, :, None])
+    match[:, :, 0] = False  # [B, node, child]; the root is nobody's child
+    rank = torch.empty_like(tree.draft_order).scatter_(1, tree.draft_order, nodes.expand(b, n1))
+    first = torch.where(match, rank[:, None, :], n1).argmin(dim=2)  # [B, N+1] chosen child of each node
+    moved = match.any(dim=2)
+    chosen = moved.gather(1, tree.parents) & (first.gather(1, tree.parents) == nodes)
+    chosen[:, 0] = True
+    reached = ~(tree.ancestors & ~chosen[:, None, :]).any(dim=2)
+    deepest = torch.where(reached, tree.depths, -1).argmax(dim=1)  # [B]
+    length = tree.depths.gather(1, deepest[:, None])[:, 0]
+    on_path = _gather_rows(tree.ancestors, deepest[:, None])[:, 0]  # [B, N+1]
+    levels = torch.arange(tree.max_depth + 1, device=device)
+    at_level = on_path[:, None, :] & (tree.depths[:, None, :] == levels[None, :, None])  # [B, D+1, N+1]
+    return at_level.int().argmax(dim=2), length, choice.gather(1, deepest[:, None])[:, 0]
+
+
+class BatchHeadDrafter:
+    """EAGLE-2 dynamic trees of one shape for B rows at once, with a head's batched passes and a draft cache of B
+    rows (row b's entries: slots ``0..lengths[b]-1``, gaps masked as in :class:`RowsCache`). One draft vocabulary
+    serves the batch (the context tokens of every row join it)."""
+
+    def __init__(self, draft: DraftModel, depth: int, top_k: int, total_tokens: int, rows: int, capacity: int):
+        self.draft, self.depth, self.top_k = draft, depth, top_k
+        self.total_tokens = tree_nodes(depth, top_k, total_tokens)
+        self.vocab = DraftVocab(draft)
+        self.vocab.reserve(-(-min(rows * capacity, MAX_CONTEXT_VOCAB) // 256) * 256)
+        cfg, weight = draft.config, draft.fusion.fc.weight
+        self.cache = DraftCache(cfg.num_key_value_heads, cfg.head_dim, capacity + depth * top_k, weight.dtype,
+                                weight.device, rows)
+        self.lengths: list[int] = []
+        self.last: DraftOutput | None = None  # the head's output at each row's last position, [B, 1, ..]
+
+    @torch.inference_mode()
+    def start(self, prompts: list[torch.Tensor], hidden: list[torch.Tensor], tokens: torch.Tensor) -> None:
+        """Row b reads its prompt [P_b] with the target's features [P_b, H] and its first new token ``tokens[b]``."""
+        device = tokens.device
+        longest = max(p.shape[0] for p in prompts)
+        inputs = torch.stack([F.pad(torch.cat((p[1:], t[None])), (0, longest - p.shape[0]))
+                              for p, t in zip(prompts, tokens, strict=True)])  # [B, P]
+        features = torch.stack([F.pad(h, (0, 0, 0, longest - h.shape[0])) for h in hidden])  # [B, P, H]
+        self.vocab.add(inputs.flatten())
+        self.lengths = [p.shape[0] for p in prompts]
+        self.cache.length = 0
+        cache = self.cache  # rows that finished at their first token never reach the drafter
+        cache.keys, cache.values = cache.keys[: len(prompts)], cache.values[: len(prompts)]
+        slots = torch.arange(longest, device=device)
+        lengths = torch.tensor(self.lengths, device=device)
+        mask = (slots[None, None, :] <= slots[None, :, None]) & ((slots < lengths[:, None])[:, None, :]
+                                                                 | (slots[None, None, :] == slots[None, :, None]))
+        out = self.draft(inputs, features, slots.expand(len(prompts), -1), mask[:, None], cache=self.cache)
+        self.last = self._at(out, lengths - 1)
+
+    @staticmethod
+    def _at(out: DraftOutput, index: torch.Tensor) -> DraftOutput:
+        return out._replace(predict=_gather_rows(out.predict, index[:, None]),
+                            regress=_gather_rows(out.regress, index[:, None]))
+
+    def _context(self, queries: int) -> torch.Tensor:
+        """[B, queries, end] bool: each row's own draft entries."""
+        lengths = torch.tensor(self.lengths, device=self.cache.keys.device)
+        visible = torch.arange(self.cache.length, device=lengths.device)[None, :] < lengths[:, None]
+        return visible[:, None, :].expand(-1, queries, -1)
+
+    @torch.inference_mode()
+    def propose(self, roots: torch.Tensor) -> Tree:
+        """B trees below ``roots`` [B] (each row's newest token), with tensor operations only."""
+        k, b, device = self.top_k, roots.shape[0], roots.device
+        vocab, end = self.vocab, self.cache.length
+        logp = F.log_softmax(vocab.logits(self.last.predict[:, -1]).float(), dim=-1)  # [B, V_d]
+        scores, ids = logp.topk(k)  # [B, k]
+        all_ids, all_scores = [ids], [scores]
+        all_parents = [torch.full((b, k), -1, dtype=torch.long, device=device)]
+        all_levels = [torch.ones(k, dtype=torch.long, device=device)]
+        frontier = torch.arange(k, device=device).expand(b, k)
+        features = self.last.regress[:, -1:].expand(b, k, -1)  # [B, k, H]
+        eye = torch.eye(k, dtype=torch.bool, device=device).expand(b, k, k)
+        ancestry = eye  # [B, k, k*level] over the appended frontier entries
+        context = self._context(k)
+        base = torch.tensor(self.lengths, device=device)[:, None]  # each row's next draft position
+        offset = k
+        for level in range(1, self.depth):
+            mask = torch.cat((context, ancestry), dim=2)[:, None]
+            out = self.draft(vocab.to_target_ids(ids), features, (base + level - 1).expand(b, k), mask,
+                             cache=self.cache)
+            child_logp = F.log_softmax(vocab.logits(out.predict).float(), dim=-1)  # [B, k, V_d]
+            child_scores, child_ids = child_logp.topk(k, dim=-1)  # [B, k, k]
+            flat = (scores[:, :, None] + child_scores).flatten(1)  # [B, k*k]
+            all_ids.append(child_ids.flatten(1))
+            all_scores.append(flat)
+            all_parents.append(frontier[:, :, None].expand(b, k, k).flatten(1))
+            all_levels.append(torch.full((k * k,), level + 1, dtype=torch.long, device=device))
+            if level == self.depth - 1:
+                break
+            scores, best = flat.topk(k)  # [B, k]
+            rows = best // k  # the frontier node each new one hangs from
+            ids = child_ids.flatten(1).gather(1, best)
+            frontier = offset + best
+            features = _gather_rows(out.regress, rows)
+            ancestry = torch.cat((_gather_rows(ancestry, rows), eye), dim=2)
+            offset += k * k
+        self.cache.length = end
+        return build_trees(roots, vocab.to_target_ids(torch.cat(all_ids, dim=1)), torch.cat(all_scores, dim=1),
+                           torch.cat(all_parents, dim=1), torch.cat(all_levels), self.total_tokens, self.depth)
+
+    @torch.inference_mode()
+    def accept(self, tokens: torch.Tensor, hidden: torch.Tensor, counts: list[int]) -> None:
+        """Row b emitted ``tokens[b, :counts[b]]`` ([B, C], padded) from the positions whose target features are
+        ``hidden[b, :counts[b]]`` ([B, C, H])."""
+        b, c = tokens.shape
+        device = tokens.device
+        self.vocab.add(tokens.flatten())
+        end = self.cache.length
+        lengths = torch.tensor(self.lengths, device=device)
+        steps = torch.arange(c, device=device)
+        causal = (steps[None, :] <= steps[:, None]).expand(b, c, c)
+        mask = torch.cat((self._context(c), causal), dim=2)[:, None]
+        out = self.draft(tokens, hidden, lengths[:, None] + steps, mask, cache=self.cache)
+        for buf in (self.cache.keys, self.cache.values):
+            move_entries(buf, (end + steps).expand(b, c), lengths[:, None] + steps)
+        self.last = self._at(out, torch.tensor(counts, device=device) - 1)
+        self.lengths = [n + k for n, k in zip(self.lengths, counts, strict=True)]
+        self.cache.length = max(self.lengths)
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only ``rows``."""
+        keep = torch.tensor(rows, device=self.cache.keys.device)
+        self.cache.keys, self.cache.values = self.cache.keys[keep], self.cache.values[keep]
+        self.last = self.last._replace(predict=self.last.predict[keep], regress=self.last.regress[keep])
+        self.lengths = [self.lengths[r] for r in rows]
+        self.cache.length = max(self.lengths)
+
+
+def emitted_rows(tree: Tree, path: torch.Tensor, length: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+    """[B, D+1] each row's accepted tokens, then its bonus, then padding (:meth:`griffin.verify.Acceptance.emitted`)."""
+    drafted = torch.cat((tree.tokens.gather(1, path[:, 1:]), bonus[:, None]), dim=1)
+    at_bonus = torch.arange(path.shape[1], device=path.device)[None, :] == length[:, None]
+    return torch.where(at_bonus, bonus[:, None], drafted)
+
+
+def counted_rows(out: torch.Tensor, length: torch.Tensor, eos: torch.Tensor,
+                 remaining: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`griffin.decode.emitted_count` for B rows: out [B, D+1], length [B], remaining [B] -> (count [B],
+    stop [B] long)."""
+    steps = torch.arange(out.shape[1], device=out.device)[None, :]
+    hit = torch.isin(out, eos) & (steps <= length[:, None])
+    first_eos = torch.where(hit, steps, out.shape[1]).min(dim=1).values
+    count = torch.minimum(torch.minimum(length, first_eos), remaining - 1) + 1
+    stop = (first_eos < out.shape[1]) | (count == remaining)
+    return count, stop.long()
+
+
+def pick(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """The target's token after each position, logits [.., V] -> [..]: the argmax, or one draw per position (the
+    rule of :class:`griffin.verify.TreeSampling`)."""
+    return greedy(logits) if sampling.greedy else sample(warp(logits, sampling), generator)
+
+
+@torch.inference_mode()
+def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | None, prompts: list[torch.Tensor],
+                budgets: list[int], sampling: SamplingConfig, eos: torch.Tensor, generator: torch.Generator | None,
+                stats: GenerationStats) -> list[list[int]]:
+    """prompts [P_b] -> each row's new tokens (up to and including its first EOS, at most ``budgets[b]``).
+
+    ``drafter`` None: the batched plain loop. ``stats`` counts per row and cycle (``tau``: tokens per row per target
+    pass; ``prefill_s``: the prompts' prefill and first tokens, ``wall_s``: all). One host sync per cycle; rows that
+    finish leave the batch."""
+    started = time.perf_counter()
+    device = eos.device
+    extra = drafter.total_tokens + 1 if drafter is not None else 1
+    cache = RowsCache(backend.num_layers, max(p.shape[0] for p in prompts) + max(budgets) + extra)
+    cache.lengths = [0] * len(prompts)
+    hidden, last = [], []
+    for row, ids in enumerate(prompts):  # each prompt alone, as a one-prompt generation prefills it
+        one = BufferCache(backend.num_layers, ids.shape[0])
+        features, logits = backend.prefill(ids, one)
+        cache.fill(row, one)
+        hidden.append(features)
+        last.append(logits[-1])
+    tokens = pick(torch.stack(last), sampling, generator)  # [B]
+    host = torch.cat((tokens, torch.isin(tokens, eos).long())).tolist()  # host sync
+    stats.prefill_s += time.perf_counter() - started
+    out = [[t] for t in host[: len(prompts)]]
+    active = [r for r, stop in enumerate(host[len(prompts) :]) if not stop and budgets[r] > 1]
+    stats.new_tokens += len(prompts)
+    if len(active) < len(prompts):
+        tokens = tokens[active]
+        if not active:
+            stats.wall_s += time.perf_counter() - started
+            return out
+        cache.select(active)
+    if drafter is not None:
+        drafter.start([prompts[r] for r in active], [hidden[r] for r in active], tokens)
+    while True:
+        b = len(active)
+        remaining = torch.tensor([budgets[r] - len(out[r]) for r in active], device=device)
+        if drafter is None:
+            tokens, _ = plain_rows_step(backend, cache, tokens, sampling, generator)
+            counts, stops = torch.ones_like(tokens), torch.isin(tokens, eos) | (remaining == 1)
+            emitted = tokens[:, None]
+        else:
+            end = cache.end
+            tree = drafter.propose(tokens)
+            positions = torch.tensor(cache.lengths, device=device)[:, None] + tree.depths
+            features, logits = backend.forward_rows(tree.tokens, positions, tree.ancestors, cache)
+            path, length, bonus = follow_rows(tree, pick(logits, sampling, generator))
+            emitted = emitted_rows(tree, path, length, bonus)  # [B, D+1]
+            counts, stops = counted_rows(emitted, length, eos, remaining)
+        width = emitted.shape[1]
+        host = torch.cat((emitted.flatten(), counts, stops.long())).tolist()  # the host sync
+        counts, stops = host[b * width : b * width + b], host[b * width + b :]
+        for i, row in enumerate(active):
+            out[row] += host[i * width : i * width + counts[i]]
+            stats.count(counts[i])
+        if drafter is None:
+            stats.plain_steps += b
+        else:
+            cache.compact(end + path, counts)
+        keep = [i for i in range(b) if not stops[i]]
+        if not keep:
+            break
+        index = torch.tensor(counts, device=device) - 1
+        if len(keep) < b:  # finished rows leave the batch
+            active = [active[i] for i in keep]
+            cache.select(keep)
+            rows = torch.tensor(keep, device=device)
+            emitted, index = emitted[rows], index[rows]
+            if drafter is not None:
+                drafter.select(keep)
+                path, features = path[rows], features[rows]
+        tokens = emitted.gather(1, index[:, None])[:, 0]
+        if drafter is not None:
+            c = max(counts[i] for i in keep)
+            drafter.accept(emitted[:, :c], _gather_rows(features, path[:, :c]), [counts[i] for i in keep])
+    stats.wall_s += time.perf_counter() - started
+    return out
+
