@@ -119,9 +119,17 @@ def test_the_policy_drops_to_plain_decoding_probes_with_backoff_and_comes_back()
         probes += 1
         policy.observe(policy.shape(), policy.shape().depth + 1)
     assert policy.shape() is BIG and policy.wait == 4 and probes <= 3
-    assert ShapePolicy([Shape(2, 4, 1.1, 1.5)]).shape() is PLAIN  # a tree the tuner expects to lose: plain at once
-    tuned_plain = ShapePolicy([BIG, SMALL], plain_first=True)  # the tuner measured no tree paying: probes wait longest
-    assert tuned_plain.shape() is PLAIN and tuned_plain.wait == 32
+    losing = Shape(2, 4, 1.5, 1.8)  # a tree the tuner expects to lose (rate 0.83)
+    first = ShapePolicy([losing], plain_first=True)  # the tuner measured no tree paying: one probe, then waits longest
+    assert first.shape() is losing
+    first.observe(losing, 1)
+    assert first.shape() is PLAIN and first.wait == 32
+    quoting = ShapePolicy([losing], plain_first=True)  # the request accepts what the tuner's requests did not
+    quoting.observe(losing, 3)
+    assert quoting.shape() is losing and quoting.ratio == 2.5
+    for _ in range(2):  # then accepts nothing: the one good cycle is not trusted for long
+        quoting.observe(losing, 1)
+    assert quoting.shape() is PLAIN
 
 
 def test_adapting_generations_match_generate_and_change_nothing_cached(tmp_path, monkeypatch):
