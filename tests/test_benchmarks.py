@@ -255,3 +255,14 @@ def test_distill_lm_report_shows_learning_curves_and_the_training_text_nll(tmp_p
                                            "train_target_nll_last": 24.5}
     plot(result, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_headline_names_the_tuned_start_of_adaptive_runs():
+    from benchmarks.headline import tree_cell
+
+    tuned = {"reason": "the plain loop: no tree beat it"}
+    plain = {"tree": {"depth": 0, "total_tokens": 0, "lookup": 10}, "tuning": tuned, "plain_fraction": 0.3}
+    assert tree_cell(plain) == "adaptive from the plain loop; trees + lookup 10, 30% plain steps"
+    tree = {"tree": {"depth": 1, "total_tokens": 5, "lookup": 0}, "tuning": tuned, "plain_fraction": 0.7}
+    assert tree_cell(tree) == "adaptive from 5 nodes, depth 1, 70% plain steps"
+    assert tree_cell({**tree, "tuning": None}) == "5 nodes, depth 1"  # a fixed tree (or a run before adaptation)
