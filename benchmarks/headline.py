@@ -40,6 +40,17 @@ def cpu_text(machine: dict) -> str:
     return name + (" (AMX)" if "amx_bf16" in machine.get("cpu_flags", []) else "")
 
 
+def tree_cell(r: dict) -> str:
+    """A run's tree: the one it held, or for runs that adapted it per request (a tuned tree and a recorded plain-step
+    fraction, :mod:`griffin.adapt`) the tuned choice they started from and the share of plain steps."""
+    tree = r["tree"]
+    held = "the plain loop" if tree["depth"] == 0 else tree_text(tree)
+    if not (r.get("tuning") and "plain_fraction" in r):
+        return held
+    chain = f"; trees + lookup {tree['lookup']}" if tree["depth"] == 0 and tree.get("lookup") else ""
+    return f"adaptive from {held}{chain}, {r['plain_fraction']:.0%} plain steps"
+
+
 def tags(results_dir: Path, head: str) -> list[str]:
     """The head's name, then ``<head>-lookup<K>`` for every K with a speed run, smallest first."""
     found = {int(p.name.split(f"{head}-lookup", 1)[1].split("-", 1)[0])
@@ -70,7 +81,7 @@ def section(results_dir: Path, head: str, checkpoints: Path) -> tuple[str, list[
         rows.append([bench, r["temperature"], r.get("dtype", dtype), cpu_text(r["machine"]),
                      r["machine"].get("torch_threads", "-"),
                      r["n_prompts"], r["max_new_tokens"],
-                     tree_text(r["tree"]), r["tau"], f"**{best[0]:.2f}x** ({best[1]})" if best else "-",
+                     tree_cell(r), r["tau"], f"**{best[0]:.2f}x** ({best[1]})" if best else "-",
                      f"{r['tokens_per_s'] / r['baseline_tokens_per_s']:.2f}x" if "baseline_tokens_per_s" in r
                      else "-", f"{r['tokens_per_s']:.1f}", *plain,
                      peer_text(r),

@@ -376,7 +376,8 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperatu
 def shapes(choice: dict, lookup: int = 0, count: int = 3) -> list[Shape]:
     """The tree shapes adaptation switches between (:class:`griffin.adapt.ShapePolicy`) for a tuning record: the tree
     it chose (where it chose none, its best estimate), then up to ``count - 1`` smaller ones, each the best depth for
-    at most half the nodes of the one before; with the tuner's expected tau and cost relative to a plain step."""
+    at most half the nodes of the one before; with the tuner's expected tau and cost relative to a plain step, the
+    cost as the check measured it (:func:`cost_scale`)."""
     # trees expected to accept something
     useful = [r for r in choice.get("candidates") or [] if r["total_tokens"] > 0 and r["depth"] > 0 and r["tau"] > 1]
     best: dict[int, dict] = {}  # total_tokens -> the row of the best depth for it
@@ -396,8 +397,23 @@ def shapes(choice: dict, lookup: int = 0, count: int = 3) -> list[Shape]:
         if not smaller:
             break
         rows.append(best[max(smaller)])
-    return [Shape(r["depth"], r["total_tokens"], r["tau"], r["tau"] / r["speedup"], max(r["depth"], lookup) + 1)
+    scale = cost_scale(choice)
+    return [Shape(r["depth"], r["total_tokens"], r["tau"], scale * r["tau"] / r["speedup"], max(r["depth"], lookup) + 1)
             for r in rows]
+
+
+def cost_scale(choice: dict) -> float:
+    """How much dearer the check measured a tree cycle than the forward-cost curve estimated: the median over the
+    head trees it timed of expected speedup / measured speedup (1 without a check). The curve times bare target
+    forwards; a generation also pays the loop, the kernels' switches and a busy machine's share (on the Intel Xeon
+    under load: 1.19-1.30x in greedy decoding, ``benchmarks/results/adaptive/README.md``)."""
+    rows = {(r["depth"], r["total_tokens"]): r for r in choice.get("candidates") or []}
+    ratios = []
+    for key, measured in (choice.get("measured_speedup_over_plain") or {}).items():
+        depth, total = (int(x) for x in key.split("x"))
+        if total > 0 and (depth, total) in rows and measured > 0:
+            ratios.append(rows[depth, total]["speedup"] / measured)
+    return statistics.median(ratios) if ratios else 1.0
 
 
 def tuning_record(gen, temperature: float) -> dict | None:

@@ -7,6 +7,7 @@ import torch
 
 from griffin import SpecGenerator
 from griffin.adapt import PLAIN, Shape, ShapePolicy
+from griffin.autotune import cost_scale, shapes
 from griffin.decode import GenerationStats, decode
 from griffin.drafters import head_drafter
 from griffin.kv_cache import BufferCache
@@ -119,9 +120,17 @@ def test_the_policy_drops_to_plain_decoding_probes_with_backoff_and_comes_back()
         probes += 1
         policy.observe(policy.shape(), policy.shape().depth + 1)
     assert policy.shape() is BIG and policy.wait == 4 and probes <= 3
-    assert ShapePolicy([Shape(2, 4, 1.1, 1.5)]).shape() is PLAIN  # a tree the tuner expects to lose: plain at once
-    tuned_plain = ShapePolicy([BIG, SMALL], plain_first=True)  # the tuner measured no tree paying: probes wait longest
-    assert tuned_plain.shape() is PLAIN and tuned_plain.wait == 32
+    losing = Shape(2, 4, 1.5, 1.8)  # a tree the tuner expects to lose (rate 0.83)
+    first = ShapePolicy([losing], plain_first=True)  # the tuner measured no tree paying: one probe, then waits longest
+    assert first.shape() is losing
+    first.observe(losing, 1)
+    assert first.shape() is PLAIN and first.wait == 32
+    quoting = ShapePolicy([losing], plain_first=True)  # the request accepts what the tuner's requests did not
+    quoting.observe(losing, 3)
+    assert quoting.shape() is losing and quoting.ratio == 2.5
+    for _ in range(2):  # then accepts nothing: the one good cycle is not trusted for long
+        quoting.observe(losing, 1)
+    assert quoting.shape() is PLAIN
 
 
 def test_adapting_generations_match_generate_and_change_nothing_cached(tmp_path, monkeypatch):
@@ -154,3 +163,22 @@ def test_one_host_sync_per_cycle_in_the_plain_loop_and_while_adapting(counted): 
     for gen, temperature in ((plain, 0.0), (plain, 1.0), (adapting, 0.0), (adapting, 1.0)):
         per_cycle = syncs_per_cycle(gen, prompt, counted, temperature=temperature, top_p=0.9, top_k=20)
         assert len(per_cycle) > 10 and per_cycle == [1] * len(per_cycle), (temperature, per_cycle)
+
+
+def test_shapes_cost_what_the_check_measured():
+    """The tuner's shapes: its tree, then the best depth for at most half the nodes; each cycle's cost scaled by how
+    much dearer the check measured the timed trees than the forward-cost curve estimated (the median)."""
+    candidates = [{"depth": d, "total_tokens": n, "tau": 1 + 0.1 * n + 0.05 * d, "speedup": 1.2 - 0.01 * n - 0.02 * d}
+                  for d in (1, 2, 3) for n in (1, 2, 4, 8)]
+    rows = {(r["depth"], r["total_tokens"]): r for r in candidates}
+    record = {"depth": 2, "total_tokens": 8, "candidates": candidates,
+              "measured_speedup_over_plain": {"2x8": rows[2, 8]["speedup"] / 1.3, "3x4": rows[3, 4]["speedup"] / 1.1,
+                                              "1x1": rows[1, 1]["speedup"] / 1.5, "1x0": 0.5}}
+    assert cost_scale(record) == pytest.approx(1.3)  # the chain alone (no head node) is no tree of the table
+    got = shapes(record, lookup=0)
+    assert [(s.depth, s.total_tokens) for s in got] == [(2, 8), (1, 4), (1, 2)]
+    for shape in got:
+        row = rows[shape.depth, shape.total_tokens]
+        assert shape.cost == pytest.approx(1.3 * row["tau"] / row["speedup"])
+    unchecked = shapes({k: v for k, v in record.items() if k != "measured_speedup_over_plain"})
+    assert unchecked[0].cost == pytest.approx(rows[2, 8]["tau"] / rows[2, 8]["speedup"])

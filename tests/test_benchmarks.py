@@ -270,3 +270,14 @@ def test_batching_benchmark_on_a_tiny_target(tmp_path, tiny_target_dir, head_dir
     assert batches["2"]["tree"] == {"depth": 2, "total_tokens": 4}
     assert batches["2"]["rows_identical_to_b1"]["ours"] == 2 and min(batches["2"]["tokens_per_s"].values()) > 0
     assert out.with_suffix(".png").is_file() and "| 2 | 4 nodes, depth 2 |" in out.with_suffix(".md").read_text()
+
+
+def test_headline_names_the_tuned_start_of_adaptive_runs():
+    from benchmarks.headline import tree_cell
+
+    tuned = {"reason": "the plain loop: no tree beat it"}
+    plain = {"tree": {"depth": 0, "total_tokens": 0, "lookup": 10}, "tuning": tuned, "plain_fraction": 0.3}
+    assert tree_cell(plain) == "adaptive from the plain loop; trees + lookup 10, 30% plain steps"
+    tree = {"tree": {"depth": 1, "total_tokens": 5, "lookup": 0}, "tuning": tuned, "plain_fraction": 0.7}
+    assert tree_cell(tree) == "adaptive from 5 nodes, depth 1, 70% plain steps"
+    assert tree_cell({**tree, "tuning": None}) == "5 nodes, depth 1"  # a fixed tree (or a run before adaptation)
