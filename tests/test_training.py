@@ -1,4 +1,4 @@
-"""Token-alignable training: masks, version-mixed attention, EAGLE equivalence, learning, resume, two processes."""
+"""Token-alignable training: masks, chain attention, EAGLE equivalence, learning, resume, two processes."""
 
 from __future__ import annotations
 
