@@ -278,6 +278,7 @@ def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | None, prompt
             counts, stops = counted_rows(emitted, length, eos, remaining)
         width = emitted.shape[1]
         host = torch.cat((emitted.flatten(), counts, stops.long())).tolist()  # the host sync
+        index = counts - 1  # [B] each row's last emitted token, kept on the device
         counts, stops = host[b * width : b * width + b], host[b * width + b :]
         for i, row in enumerate(active):
             out[row] += host[i * width : i * width + counts[i]]
@@ -289,7 +290,6 @@ def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | None, prompt
         keep = [i for i in range(b) if not stops[i]]
         if not keep:
             break
-        index = torch.tensor(counts, device=device) - 1
         if len(keep) < b:  # finished rows leave the batch
             active = [active[i] for i in keep]
             cache.select(keep)
