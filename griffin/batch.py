@@ -98,7 +98,8 @@ class BatchHeadDrafter:
         cfg, weight = draft.config, draft.fusion.fc.weight
         self.cache = DraftCache(cfg.num_key_value_heads, cfg.head_dim, capacity + depth * top_k, weight.dtype,
                                 weight.device, rows)
-        self.lengths: list[int] = []
+        self.lengths: list[int] = []  # each row's draft entries, on the host (the cache's slots to keep)
+        self.offsets: torch.Tensor | None = None  # [B] the same on the device, moved there by device counts
         self.last: DraftOutput | None = None  # the head's output at each row's last position, [B, 1, ..]
 
     @torch.inference_mode()
@@ -115,7 +116,7 @@ class BatchHeadDrafter:
         cache = self.cache  # rows that finished at their first token never reach the drafter
         cache.keys, cache.values = cache.keys[: len(prompts)], cache.values[: len(prompts)]
         slots = torch.arange(longest, device=device)
-        lengths = torch.tensor(self.lengths, device=device)
+        lengths = self.offsets = torch.tensor(self.lengths, device=device)
         mask = (slots[None, None, :] <= slots[None, :, None]) & ((slots < lengths[:, None])[:, None, :]
                                                                  | (slots[None, None, :] == slots[None, :, None]))
         out = self.draft(inputs, features, slots.expand(len(prompts), -1), mask[:, None], cache=self.cache)
@@ -128,8 +129,7 @@ class BatchHeadDrafter:
 
     def _context(self, queries: int) -> torch.Tensor:
         """[B, queries, end] bool: each row's own draft entries."""
-        lengths = torch.tensor(self.lengths, device=self.cache.keys.device)
-        visible = torch.arange(self.cache.length, device=lengths.device)[None, :] < lengths[:, None]
+        visible = torch.arange(self.cache.length, device=self.offsets.device)[None, :] < self.offsets[:, None]
         return visible[:, None, :].expand(-1, queries, -1)
 
     @torch.inference_mode()
@@ -147,7 +147,7 @@ class BatchHeadDrafter:
         eye = torch.eye(k, dtype=torch.bool, device=device).expand(b, k, k)
         ancestry = eye  # [B, k, k*level] over the appended frontier entries
         context = self._context(k)
-        base = torch.tensor(self.lengths, device=device)[:, None]  # each row's next draft position
+        base = self.offsets[:, None]  # each row's next draft position
         offset = k
         for level in range(1, self.depth):
             mask = torch.cat((context, ancestry), dim=2)[:, None]
@@ -174,22 +174,24 @@ class BatchHeadDrafter:
                            torch.cat(all_parents, dim=1), torch.cat(all_levels), self.total_tokens, self.depth)
 
     @torch.inference_mode()
-    def accept(self, tokens: torch.Tensor, hidden: torch.Tensor, counts: list[int]) -> None:
+    def accept(self, tokens: torch.Tensor, hidden: torch.Tensor, counts: list[int], device_counts: torch.Tensor
+               ) -> None:
         """Row b emitted ``tokens[b, :counts[b]]`` ([B, C], padded) from the positions whose target features are
-        ``hidden[b, :counts[b]]`` ([B, C, H])."""
+        ``hidden[b, :counts[b]]`` ([B, C, H]); ``device_counts`` [B]: the counts still on the device."""
         b, c = tokens.shape
         device = tokens.device
         self.vocab.add(tokens.flatten())
         end = self.cache.length
-        lengths = torch.tensor(self.lengths, device=device)
+        lengths = self.offsets
         steps = torch.arange(c, device=device)
         causal = (steps[None, :] <= steps[:, None]).expand(b, c, c)
         mask = torch.cat((self._context(c), causal), dim=2)[:, None]
         out = self.draft(tokens, hidden, lengths[:, None] + steps, mask, cache=self.cache)
         for buf in (self.cache.keys, self.cache.values):
             move_entries(buf, (end + steps).expand(b, c), lengths[:, None] + steps)
-        self.last = self._at(out, torch.tensor(counts, device=device) - 1)
+        self.last = self._at(out, device_counts - 1)
         self.lengths = [n + k for n, k in zip(self.lengths, counts, strict=True)]
+        self.offsets = lengths + device_counts
         self.cache.length = max(self.lengths)
 
     def select(self, rows: list[int]) -> None:
@@ -198,6 +200,7 @@ class BatchHeadDrafter:
         self.cache.keys, self.cache.values = self.cache.keys[keep], self.cache.values[keep]
         self.last = self.last._replace(predict=self.last.predict[keep], regress=self.last.regress[keep])
         self.lengths = [self.lengths[r] for r in rows]
+        self.offsets = self.offsets[keep]
         self.cache.length = max(self.lengths)
 
 
@@ -261,9 +264,9 @@ def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | None, prompt
         cache.select(active)
     if drafter is not None:
         drafter.start([prompts[r] for r in active], [hidden[r] for r in active], tokens)
+    remaining = torch.tensor([budgets[r] - 1 for r in active], device=device)  # [B] on the device from here on
     while True:
         b = len(active)
-        remaining = torch.tensor([budgets[r] - len(out[r]) for r in active], device=device)
         if drafter is None:
             tokens, _ = plain_rows_step(backend, cache, tokens, sampling, generator)
             counts, stops = torch.ones_like(tokens), torch.isin(tokens, eos) | (remaining == 1)
@@ -271,22 +274,22 @@ def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | None, prompt
         else:
             end = cache.end
             tree = drafter.propose(tokens)
-            positions = torch.tensor(cache.lengths, device=device)[:, None] + tree.depths
+            positions = cache.positions(device)[:, None] + tree.depths
             features, logits = backend.forward_rows(tree.tokens, positions, tree.ancestors, cache)
             path, length, bonus = follow_rows(tree, pick(logits, sampling, generator))
             emitted = emitted_rows(tree, path, length, bonus)  # [B, D+1]
             counts, stops = counted_rows(emitted, length, eos, remaining)
         width = emitted.shape[1]
         host = torch.cat((emitted.flatten(), counts, stops.long())).tolist()  # the host sync
-        index = counts - 1  # [B] each row's last emitted token, kept on the device
-        counts, stops = host[b * width : b * width + b], host[b * width + b :]
+        index, remaining = counts - 1, remaining - counts  # [B] each, kept on the device
+        if drafter is not None:
+            cache.compact(end + path, host[b * width : b * width + b], counts)
+        device_counts, counts, stops = counts, host[b * width : b * width + b], host[b * width + b :]
         for i, row in enumerate(active):
             out[row] += host[i * width : i * width + counts[i]]
             stats.count(counts[i])
         if drafter is None:
             stats.plain_steps += b
-        else:
-            cache.compact(end + path, counts)
         keep = [i for i in range(b) if not stops[i]]
         if not keep:
             break
@@ -294,14 +297,15 @@ def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | None, prompt
             active = [active[i] for i in keep]
             cache.select(keep)
             rows = torch.tensor(keep, device=device)
-            emitted, index = emitted[rows], index[rows]
+            emitted, index, remaining, device_counts = emitted[rows], index[rows], remaining[rows], device_counts[rows]
             if drafter is not None:
                 drafter.select(keep)
                 path, features = path[rows], features[rows]
         tokens = emitted.gather(1, index[:, None])[:, 0]
         if drafter is not None:
             c = max(counts[i] for i in keep)
-            drafter.accept(emitted[:, :c], _gather_rows(features, path[:, :c]), [counts[i] for i in keep])
+            drafter.accept(emitted[:, :c], _gather_rows(features, path[:, :c]), [counts[i] for i in keep],
+                           device_counts)
     stats.wall_s += time.perf_counter() - started
     return out
 

@@ -158,8 +158,17 @@ class RowsCache(BufferCache):
 
     def __init__(self, num_layers: int, max_len: int):
         super().__init__(num_layers, max_len)
-        self.lengths: list[int] = []  # per row, on the host (the cycle's one sync brings what moves them)
+        self.lengths: list[int] = []  # per row, on the host: where the next forward writes (``end``)
         self.where: dict[int, tuple[int, int | None]] = {}  # layer -> (its buffer, its index there; None: own pair)
+
+    @property
+    def lengths(self) -> list[int]:
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, value: list[int]) -> None:
+        self._lengths = list(value)
+        self._on_device: torch.Tensor | None = None  # the same lengths on the device, uploaded once
 
     def storage(self, index: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         before = len(self.buffers)
@@ -178,7 +187,7 @@ class RowsCache(BufferCache):
                                           src.values[:, :, :0].expand(rows, -1, -1, -1))
             layer.keys[row, :, :n] = src.keys[0, :, :n]
             layer.values[row, :, :n] = src.values[0, :, :n]
-        self.lengths[row] = n
+        self.lengths = self.lengths[:row] + [n] + self.lengths[row + 1 :]
         self.crop_to_rows()
 
     @property
@@ -190,20 +199,28 @@ class RowsCache(BufferCache):
         for layer in self.layers:
             layer.length = self.end
 
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """[B] each row's length (the position of its next token) on ``device``: uploaded once, then moved there by
+        :meth:`compact`'s device counts, so that a cycle sends nothing to the device."""
+        if self._on_device is None or self._on_device.device != device:
+            self._on_device = torch.tensor(self.lengths, device=device)
+        return self._on_device
+
     def valid(self, device: torch.device) -> torch.Tensor:
         """[B, end] bool: the slots each row's entries occupy."""
-        lengths = torch.tensor(self.lengths, device=device)
-        return torch.arange(self.end, device=device)[None, :] < lengths[:, None]
+        return torch.arange(self.end, device=device)[None, :] < self.positions(device)[:, None]
 
-    def compact(self, source: torch.Tensor, counts: list[int]) -> None:
+    def compact(self, source: torch.Tensor, counts: list[int], device_counts: torch.Tensor) -> None:
         """Keep entries ``source`` [B, m] (slots written by the last forward, each row's own) as slots
-        ``lengths[b]..lengths[b]+m-1`` of their row, then count the first ``counts[b]`` of them. One gather and one
-        scatter per buffer (one buffer for most models); nothing waits for the device."""
-        lengths = torch.tensor(self.lengths, device=source.device)
+        ``lengths[b]..lengths[b]+m-1`` of their row, then count the first ``counts[b]`` of them (``device_counts``
+        [B]: the same counts, still on the device). One gather and one scatter per buffer (one buffer for most
+        models); nothing waits for the device."""
+        lengths = self.positions(source.device)
         target = lengths[:, None] + torch.arange(source.shape[1], device=source.device)  # [B, m]
         for buf in self.buffers:
             move_entries(buf, source, target)
         self.lengths = [n + c for n, c in zip(self.lengths, counts, strict=True)]
+        self._on_device = lengths + device_counts
         self.crop_to_rows()
 
     def select(self, rows: list[int]) -> None:
@@ -216,7 +233,10 @@ class RowsCache(BufferCache):
                 layer.keys, layer.values = self.buffers[buf], self.buffers[buf + 1]
             else:
                 layer.keys, layer.values = self.buffers[buf][index, 0], self.buffers[buf][index, 1]
+        on_device = self._on_device
         self.lengths = [self.lengths[r] for r in rows]
+        if on_device is not None:
+            self._on_device = on_device[keep.to(on_device.device)]
         self.crop_to_rows()
 
 

@@ -45,9 +45,9 @@ def plain_rows_step(backend, cache: RowsCache, tokens: torch.Tensor, sampling: S
     kernels are those of a B-row pass (:meth:`griffin.backend.TargetBackend.forward_rows`); nothing here waits for the
     device."""
     end = cache.end
-    positions = torch.tensor(cache.lengths, device=tokens.device)[:, None]  # [B, 1]
+    positions = cache.positions(tokens.device)[:, None]  # [B, 1]
     features, logits = backend.forward_rows(tokens[:, None], positions, positions.new_ones(1, 1, 1).bool(), cache)
-    cache.compact(torch.full_like(positions, end), [1] * tokens.shape[0])
+    cache.compact(torch.full_like(positions, end), [1] * tokens.shape[0], torch.ones_like(tokens))
     logits = logits[:, 0]  # [B, V]
     return (greedy(logits) if sampling.greedy else sample(warp(logits, sampling), generator)), features
 

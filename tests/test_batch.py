@@ -69,7 +69,7 @@ class RowsOracle:
         return build_trees(roots, torch.tensor(chains), -torch.arange(d, dtype=torch.float).expand(b, d),
                            torch.arange(-1, d - 1).expand(b, d), torch.arange(1, d + 1), d, d)
 
-    def accept(self, tokens, hidden, counts: list[int]) -> None:
+    def accept(self, tokens, hidden, counts: list[int], device_counts) -> None:
         self.done = [n + c for n, c in zip(self.done, counts, strict=True)]
 
     def select(self, rows: list[int]) -> None:
@@ -146,6 +146,36 @@ def test_one_host_sync_per_cycle_for_the_whole_batch(counted, temperature, total
     decode_rows(gen.backend, drafter, prompts_of([6, 3, 9], 96), [16, 12, 16], SamplingConfig(temperature, 0.9),
                 gen.eos_ids([]), generator, GenerationStats())
     assert passes[0] > 4 and counted[0] == 1 + passes[0]  # the prefill's, then one per batched pass
+
+
+@pytest.mark.parametrize("total", [8, 0])
+def test_a_cycle_sends_nothing_to_the_device(monkeypatch, total):
+    """Each row's length, budget and last emitted index stay on the device between cycles: a host list copied to
+    the device is a hidden sync on a GPU (a copy from pageable memory waits for the queued work). So the number of
+    tensors built from host data does not grow with the cycles (three copies of one prompt: the rows accept alike
+    and finish together, so none leaves the batch early)."""
+    target = tiny_model("llama", vocab_size=96)
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target, draft_vocab_size=40), depth=3, top_k=4,
+                        total_tokens=total)
+    built = [0]
+    tensor = torch.tensor
+
+    def counting(*args, **kwargs):
+        built[0] += 1
+        return tensor(*args, **kwargs)
+
+    def uploads(budget: int) -> tuple[int, int]:
+        drafter = BatchHeadDrafter(gen.draft, 3, 4, total, 3, 40) if total else None
+        stats = GenerationStats()
+        built[0] = 0
+        monkeypatch.setattr(torch, "tensor", counting)
+        decode_rows(gen.backend, drafter, prompts_of([6], 96) * 3, [budget] * 3, SamplingConfig(),
+                    gen.eos_ids([]), None, stats)
+        monkeypatch.setattr(torch, "tensor", tensor)
+        return built[0], stats.new_tokens
+
+    (short, few), (long, many) = uploads(4), uploads(24)
+    assert many >= few + 3 * 12 and long == short
 
 
 def test_sampling_per_row_matches_each_prompts_distribution():

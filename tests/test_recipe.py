@@ -24,6 +24,7 @@ from tests.test_features import conversations, shards_equal, write_data
 from training import recipe
 from training.recipe import cli, progress, publish, schedule, scheduler, steps
 from training.recipe import run as loop
+from training.store import MANIFEST
 
 
 def test_shard_ranges_build_the_shards_of_a_full_run_and_no_manifest(tmp_path, tiny_target_dir):
@@ -663,6 +664,14 @@ def test_the_eagle3_generation_trains_its_heads_with_training_time_test_on_three
     config = json.loads((ckpt / "wip-griffin3" / "config.json").read_text())
     assert config["arch"] == "griffin3" and len(config["feature_layers"]) == 3
     assert [len(p["fixed"]["sharegpt"]) for p in state["curve"]] == [3] * 4  # scored over 3 passes
+    # once both heads trained on a chunk its features go (three layers: 3.2 GB per chunk here); the fixed sets stay
+    work = tmp_path / "work"
+    assert not list((tmp_path / "sharegpt").glob("shard-*")) and not (work / "chunks" / "chunk-000").exists()
+    assert not (work / "regen-features" / "chunk-001").exists()
+    assert all((work / f"fixed-val-{kind}" / MANIFEST).is_file() for kind in ("sharegpt", "regen"))
+    assert recipe.main(args + ["--chunks", "3", "--keep-features"]) == 0
+    assert [p.name for p in (tmp_path / "sharegpt").glob("shard-*")] == ["shard-00001.safetensors"]
+    assert (work / "chunks" / "chunk-002" / MANIFEST).is_file()
     # the second generation's names are refused here, and its defaults are its own
     code, err = run_main("training.recipe", "--generation", "3", "--heads", "griffin")
     assert code == 2 and "--heads must name some of eagle3, griffin3" in err

@@ -14,11 +14,12 @@ math kept; ``--max-len`` 1024), plus the target's own greedy answers to the firs
 records [256 i, 256 (i+1)), the unit of ``training.build_features``) and shards into groups of ``--chunk-shards``.
 
 **Chunks.** Each group gives two chunks: 2g, its ShareGPT conversations (shards built into one shared store,
-``--sharegpt-store``, which other users of the same features may read; the chunk store ``WORK/chunks/chunk-XXX``
-links them), and 2g+1, the target's answers to the first turns of its first ``--regen-records`` records (their own
-store). A chunk is built, trained on and then never needed again. Every head consumes each chunk once, in order, for
-one epoch, starting from its head after the previous chunk. ShareGPT chunks come first so that training starts on
-features as soon as they exist; regeneration is the slowest step per token.
+``--sharegpt-store``; the chunk store ``WORK/chunks/chunk-XXX`` links them), and 2g+1, the target's answers to the
+first turns of its first ``--regen-records`` records (their own store). Every head consumes each chunk once, in
+order, for one epoch, starting from its head after the previous chunk; once every head of its stage has, the chunk's
+features are deleted (``--keep-features`` keeps them: three target layers take 3.2 GB per ShareGPT chunk). ShareGPT
+chunks come first so that training starts on features as soon as they exist; regeneration is the slowest step per
+token.
 
 **Schedule.** One schedule for all five heads. Stage 1 (K=1, the first half of the chunks by default) trains one head
 per architecture; at stage 2 each forks into the heads of the paper's ablation, which then train on the same chunks:

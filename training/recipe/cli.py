@@ -23,8 +23,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work", help="local work folder (regenerated text, chunk features, training runs); lost with "
                    "the machine (default: work/recipe, generation 3: work/recipe3)")
     p.add_argument("--sharegpt-store",
-                   help="the feature store of all ShareGPT records, built a chunk at a time (shared, never deleted; "
-                        "default: work/features-sharegpt, generation 3: work/features-sharegpt-3layers)")
+                   help="the feature store of all ShareGPT records, built a chunk at a time (shared; a chunk's "
+                        "shards are deleted once every head has trained on it, unless --keep-features; default: "
+                        "work/features-sharegpt, generation 3: work/features-sharegpt-3layers)")
     p.add_argument("--checkpoints",
                    help="the recipe's export folder: every head after every chunk, recipe.json and its README; a "
                         "rerun continues from it (default: work/recipe/heads, git-ignored; generation 3: "
@@ -70,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="git-commit --checkpoints as the run goes (a tracked folder, on a work branch: "
                         "docs/training.md)")
     p.add_argument("--commit-every", type=int, default=3600, help="seconds between commits (stage ends always)")
+    p.add_argument("--keep-features", action="store_true",
+                   help="keep each chunk's features after every head has trained on it (default: delete them, "
+                        "3.2 GB per ShareGPT chunk with three target layers)")
     p.add_argument("--plan", action="store_true", help="print the state and the next steps, run nothing")
     p.add_argument("--promote", action="store_true",
                    help="once every head has consumed every chunk: ship them, exported with their cards to "

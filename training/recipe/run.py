@@ -220,6 +220,7 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
         last = head is todo[-1]
         if all(chunks_done(state, h) > chunk for h in heads_of(cfg, stage)):  # no head will read its answers again
             answers_file(args, chunk).unlink(missing_ok=True)
+            steps.prune_features(args, cfg, chunk)
         collect_ahead(state, cfg, ahead)
         save_state(path, cfg, state)
         stage_end = last and chunk + 1 in (cfg["stage_ends"][stage - 1], stop)

@@ -181,6 +181,22 @@ def build_chunk(args, cfg: dict, chunk: int, timing: dict, records: int = 0) -> 
     return view
 
 
+def prune_features(args, cfg: dict, chunk: int) -> None:
+    """Delete ``chunk``'s features (its regenerated answers' store, or its shards of the shared ShareGPT store and the
+    view linking them) once no head will read them again: three target layers take 3.2 GB per ShareGPT chunk here, so
+    36 chunks would not fit on the disk. The fixed validation sets have their own stores and stay. A head trained
+    again on the chunk (a new head, a lost run) rebuilds them."""
+    if args.keep_features:
+        return
+    kind, shards = chunk_source(cfg, chunk)
+    if kind == "regen":
+        shutil.rmtree(Path(args.work) / "regen-features" / f"chunk-{chunk:03d}", ignore_errors=True)
+        return
+    shutil.rmtree(Path(args.work) / "chunks" / f"chunk-{chunk:03d}", ignore_errors=True)  # the view first
+    for shard in shards:
+        (Path(args.sharegpt_store) / shard_name(shard)).unlink(missing_ok=True)
+
+
 def fixed_records_file(args, kind: str) -> Path:
     return Path(args.checkpoints) / f"fixed-val-{kind}.jsonl"
 
