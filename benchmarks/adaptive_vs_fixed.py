@@ -38,6 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--depth", type=positive_int, default=3, help="the fixed tree's depth")
     p.add_argument("--total-tokens", type=positive_int, default=6, help="the fixed tree's nodes")
     p.add_argument("--lookup", type=int, default=10, help="prompt-lookup chain of both speculative methods")
+    p.add_argument("--retune", action="store_true", help="measure the adaptive generator's tree again first")
     p.add_argument("--out", default="benchmarks/results/adaptive/adaptive-vs-fixed", help="path without suffix")
     args = p.parse_args(argv)
     args.argv = argv
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     gens = {"plain": SpecGenerator.from_pretrained(args.target, total_tokens=0, adapt=False),
             "fixed": SpecGenerator.from_pretrained(args.target, total_tokens=args.total_tokens, depth=args.depth,
                                                    lookup=args.lookup, adapt=False),
-            "adaptive": SpecGenerator.from_pretrained(args.target, lookup=args.lookup)}
+            "adaptive": SpecGenerator.from_pretrained(args.target, lookup=args.lookup, retune=args.retune)}
     fixed_shape = f"{args.total_tokens}x{args.depth}"
     per: dict[str, list[dict]] = collections.defaultdict(list)
     for line in QUESTIONS.read_text().splitlines():
