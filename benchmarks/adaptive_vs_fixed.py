@@ -15,7 +15,6 @@ Writes ``<out>.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import sys
 import time
@@ -24,8 +23,8 @@ from pathlib import Path
 from griffin.cli import positive_int, run_cli
 from griffin.constants import EMBEDDED_TARGET
 from griffin.report import command_line, machine_info, machine_text, markdown_table, write_benchmark
+from inference.questions import first_per_category, load_questions
 
-QUESTIONS = Path(__file__).resolve().parent.parent / "inference" / "data" / "mt_bench" / "question.jsonl"
 METHODS = ("plain", "fixed", "adaptive")
 
 
@@ -64,44 +63,39 @@ def main(argv: list[str] | None = None) -> int:
                                                    lookup=args.lookup, adapt=False),
             "adaptive": SpecGenerator.from_pretrained(args.target, lookup=args.lookup, retune=args.retune)}
     fixed_shape = f"{args.total_tokens}x{args.depth}"
-    per: dict[str, list[dict]] = collections.defaultdict(list)
-    for line in QUESTIONS.read_text().splitlines():
-        q = json.loads(line)
-        if len(per[q["category"]]) < args.per_category:
-            per[q["category"]].append(q)
+    questions = first_per_category(load_questions("mt_bench"), args.per_category)
+    categories = list(dict.fromkeys(q["category"] for q in questions))
     warm = gens["plain"].encode([{"role": "user", "content": "Hello"}])
     for gen in gens.values():  # first calls' one-time costs (and the adaptive generator's tuning) untimed
         gen.generate(warm, max_new_tokens=8)
     tuning = tuning_record(gens["adaptive"], 0.0) or {}
     costs = shape_costs(tuning)
     rows = []
-    for category, questions in per.items():
-        for q in questions:
-            messages = [{"role": "user", "content": q["turns"][0]}]
-            for turn in (0, 1):
-                ids = gens["plain"].encode(messages)
-                row = {"question_id": q["question_id"], "category": category, "turn": turn}
-                for name, gen in gens.items():
-                    start = time.perf_counter()
-                    result = gen.generate(ids, max_new_tokens=args.max_new_tokens)
-                    seconds = time.perf_counter() - start
-                    s = result.stats
-                    shapes = dict(s.shapes) if name == "adaptive" else {fixed_shape: s.cycles} if name == "fixed" \
-                        else {}
-                    steps = s.plain_steps + sum(costs[k] * n for k, n in shapes.items())
-                    row[name] = {"tokens_per_s": s.new_tokens / seconds, "tau": s.tau, "new_tokens": s.new_tokens,
-                                 "plain_steps": s.plain_steps, "tree_cycles": shapes,
-                                 "modelled_tokens_per_step": (s.new_tokens - 1) / steps if steps else 1.0}
-                    if name == "plain":
-                        answer, tokens = result.text, result.sequences[0, ids.shape[0]:].tolist()
-                    elif result.sequences[0, ids.shape[0]:].tolist() != tokens:
-                        raise RuntimeError(f"question {q['question_id']} turn {turn + 1}: {name} wrote other tokens "
-                                           "than the plain loop")
-                rows.append(row)
-                print(json.dumps({k: row[k] for k in ("question_id", "turn")} | {
-                    m: round(row[m]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3) for m in METHODS[1:]}),
-                    flush=True)
-                messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": q["turns"][1]}]
+    for q in questions:
+        messages = [{"role": "user", "content": q["turns"][0]}]
+        for turn in (0, 1):
+            ids = gens["plain"].encode(messages)
+            row = {"question_id": q["question_id"], "category": q["category"], "turn": turn}
+            for name, gen in gens.items():
+                start = time.perf_counter()
+                result = gen.generate(ids, max_new_tokens=args.max_new_tokens)
+                seconds = time.perf_counter() - start
+                s = result.stats
+                shapes = dict(s.shapes) if name == "adaptive" else {fixed_shape: s.cycles} if name == "fixed" else {}
+                steps = s.plain_steps + sum(costs[k] * n for k, n in shapes.items())
+                row[name] = {"tokens_per_s": s.new_tokens / seconds, "tau": s.tau, "new_tokens": s.new_tokens,
+                             "plain_steps": s.plain_steps, "tree_cycles": shapes,
+                             "modelled_tokens_per_step": (s.new_tokens - 1) / steps if steps else 1.0}
+                if name == "plain":
+                    answer, tokens = result.text, result.sequences[0, ids.shape[0]:].tolist()
+                elif result.sequences[0, ids.shape[0]:].tolist() != tokens:
+                    raise RuntimeError(f"question {q['question_id']} turn {turn + 1}: {name} wrote other tokens "
+                                       "than the plain loop")
+            rows.append(row)
+            print(json.dumps({k: row[k] for k in ("question_id", "turn")} | {
+                m: round(row[m]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3) for m in METHODS[1:]}),
+                flush=True)
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": q["turns"][1]}]
 
     def summary(selected: list[dict]) -> dict:
         out = {"prompts": len(selected)}
@@ -116,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     groups = {"all": rows, "turn 1": [r for r in rows if r["turn"] == 0], "turn 2": [r for r in rows if r["turn"] == 1]}
-    groups |= {c: [r for r in rows if r["category"] == c] for c in per}
+    groups |= {c: [r for r in rows if r["category"] == c] for c in categories}
     summaries = {name: summary(sel) for name, sel in groups.items()}
     result = {"target": args.target, "max_new_tokens": args.max_new_tokens, "fixed_tree": fixed_shape,
               "lookup": args.lookup, "tuning": tuning.get("reason"), "shape_costs": costs, "summary": summaries,

@@ -282,9 +282,9 @@ def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | None, prompt
         width = emitted.shape[1]
         host = torch.cat((emitted.flatten(), counts, stops.long())).tolist()  # the host sync
         index, remaining = counts - 1, remaining - counts  # [B] each, kept on the device
-        if drafter is not None:
-            cache.compact(end + path, host[b * width : b * width + b], counts)
         device_counts, counts, stops = counts, host[b * width : b * width + b], host[b * width + b :]
+        if drafter is not None:
+            cache.compact(end + path, counts, device_counts)
         for i, row in enumerate(active):
             out[row] += host[i * width : i * width + counts[i]]
             stats.count(counts[i])

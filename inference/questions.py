@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -21,3 +22,14 @@ def load_questions(bench: str, limit: int | None = None) -> list[dict]:
     lines = (DATA / bench / "question.jsonl").read_text().splitlines()
     questions = [json.loads(line) for line in lines if line.strip()]
     return questions[:limit] if limit else questions
+
+
+def first_per_category(questions: list[dict], n: int) -> list[dict]:
+    """The first ``n`` questions of each category, in their order."""
+    seen: Counter = Counter()
+    kept = []
+    for question in questions:
+        seen[question.get("category")] += 1
+        if seen[question.get("category")] <= n:
+            kept.append(question)
+    return kept

@@ -30,7 +30,7 @@ from pathlib import Path
 from griffin.cli import add_tree_arguments, nonnegative_float, positive_int, run_cli
 from griffin.constants import EMBEDDED_TARGET
 
-from .questions import BENCHES, EXTRA_BENCHES, load_questions
+from .questions import BENCHES, EXTRA_BENCHES, first_per_category, load_questions
 
 METHODS = ("baseline", "ours", "own_loop", "prompt_lookup", "fixed")
 PLAIN_NAMES = {"baseline": "transformers generate", "own_loop": "our plain loop"}
@@ -326,17 +326,6 @@ def answers_jsonl(records: list[dict], questions: list[dict], tok, model_id: str
                          "choices": [{"index": 0, "turns": by_q[q["question_id"]]}], "tstamp": time.time()})
              for q in questions if q["question_id"] in by_q]
     return "\n".join(lines) + "\n"
-
-
-def first_per_category(questions: list[dict], n: int) -> list[dict]:
-    """The first ``n`` questions of each category, in their order."""
-    seen: Counter = Counter()
-    kept = []
-    for question in questions:
-        seen[question.get("category")] += 1
-        if seen[question.get("category")] <= n:
-            kept.append(question)
-    return kept
 
 
 def load_partial(path: Path, settings: dict, questions: list[dict]) -> list[dict]:
