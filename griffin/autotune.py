@@ -19,7 +19,9 @@ to a busy machine:
 2. The target's forward-cost curve ``t(n)`` (25 %): interleaved repeats over the sizes of the candidate trees,
    medians, made non-decreasing in ``n`` (a busy moment cannot make a larger pass look cheaper than a smaller one);
    sizes between two measured ones are interpolated.
-3. Expected speedup over plain decoding = ``tau(N, d) * t(1) / (t(N+1+K) + d * draft_level + overhead)``.
+3. Expected speedup over plain decoding = ``tau(N, d) * t(1) / (t(n) + d * draft_level + overhead)``, where n is
+   the nodes a cycle verifies: ``N + 1 + K`` with static shapes, and on the CPU (where a chain is cut to its real
+   tokens, :class:`griffin.drafters.PromptLookup`) their mean over the calibration cycles had the trees been cut.
 4. Check (30 %): the best candidate, a small default tree (with the whole chain) and the plain loop itself
    (:func:`griffin.plain.plain_steps`; with a chain, also the chain alone) generate the calibration prompts in turns,
    at the band's temperature (sampled with the same seed in each turn; at least :data:`MIN_TURNS` turns, past the
@@ -101,7 +103,8 @@ def _key(gen, temperature: float) -> str:
     weight = gen.draft.fusion.fc.weight.detach().float().cpu().numpy().tobytes()
     parts = [target_fingerprint(gen.target.config), str(gen.lm_head.weight.dtype), str(gen.device),
              cpu_name(), str(torch.get_num_threads()), str(gen.top_k),
-             str(gen.weight_major.max_rows), gen.weight_major.describe(), str(gen.lookup),
+             str(gen.weight_major.max_rows), gen.weight_major.describe(), str(gen.lookup), str(gen.static_shapes),
+             str(gen.lookup_ngrams),
              f"T={temperature}", hashlib.sha256(weight).hexdigest()[:16]]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:20]
 
@@ -155,27 +158,27 @@ def cached_context_forward(gen, context: int, max_new: int) -> Callable[[int], N
     return forward
 
 
-def expected_tau(trace: list, total: int, depth: int, chain: int = 0) -> float:
-    """Mean tokens per cycle had the trees been cut to ``total`` head nodes of depth <= ``depth``. ``chain``: the
-    nodes of the prompt-lookup chain grafted onto every traced tree (its last nodes), which a cut tree keeps too.
-
-    The chain spells the path of its own nodes and of the head's nodes above the first of them (graft hangs the chain
-    below the deepest node that spells its start); those stay however the head's part is cut."""
-    accepted = []
+def expected_tau(trace: list, total: int, depth: int) -> tuple[float, float]:
+    """-> (mean tokens per cycle, mean nodes verified per cycle, the root included) had the traced trees been cut to
+    ``total`` head nodes of depth <= ``depth``. The nodes of a prompt-lookup chain grafted onto a traced tree (its last
+    ``tree.grafted`` nodes) stay in every cut tree, with the head's nodes above the first of them (graft hangs the
+    chain below the deepest node that spells its start): the chain spells their path whatever the head's part is."""
+    accepted, verified = [], []
     for tree, path in trace:
         depths, ranks = tree.depths, tree.ranks()
-        head = torch.arange(tree.size, device=depths.device) < tree.size - chain
+        head = torch.arange(tree.size, device=depths.device) < tree.size - tree.grafted
         allowed = (depths <= depth) & head
         order = torch.argsort(torch.where(allowed, ranks, ranks.max() + 1))
         kept = torch.zeros_like(allowed)
         kept[order[: total + 1]] = True  # the root and the `total` best allowed nodes
         kept &= allowed
-        if chain:
+        if tree.grafted:
             real = ~head if tree.valid is None else ~head & tree.valid
             kept |= tree.ancestors[real].any(dim=0) | real  # chain nodes and every node above them
         inside = kept[path[1:]]
         accepted.append(int(inside.int().cumprod(0).sum()) + 1)
-    return sum(accepted) / len(accepted)
+        verified.append(int(kept.sum()))
+    return sum(accepted) / len(accepted), sum(verified) / len(verified)
 
 
 class _Clock:
@@ -231,7 +234,7 @@ def run(gen, tree: tuple[int, int], ids: torch.Tensor, max_new_tokens: int, temp
     lookup = 0 if tree == PLAIN else gen.lookup
     capacity = ids.shape[0] + max_new_tokens
     drafter = None if total == 0 and not lookup else head_drafter(gen.draft, depth, gen.top_k, total, capacity,
-                                                                  lookup)
+                                                                  lookup, gen.lookup_ngrams, not gen.static_shapes)
     cache = BufferCache(gen.num_layers, capacity + (drafter.total_tokens if drafter else 0) + 1)
     sampling, generator = calibration_sampling(gen, temperature, seed)
     return decode(gen.backend, drafter, ids, max_new_tokens, sampling, gen.eos_ids(None), generator, stats, cache,
@@ -299,7 +302,7 @@ def _name(tree: tuple[int, int], lookup: int = 0) -> str:
     return names.get(tree, f"{tree[1]} nodes, depth {tree[0]}")
 
 
-def interpolate(costs: dict[int, float], n: int) -> float:
+def interpolate(costs: dict[int, float], n: float) -> float:
     """t(n) from the measured sizes: linear between the two nearest, the nearest end outside them."""
     sizes = sorted(costs)
     return float(numpy.interp(n, sizes, [costs[s] for s in sizes]))
@@ -335,15 +338,19 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperatu
         table = []
         for depth in range(1, MAX_DEPTH + 1):
             for total in TOTALS:
-                tau = min(expected_tau(trace, total, depth, gen.lookup), measured_tau)
-                speedup = tau * costs[1] / (interpolate(costs, total + 1 + gen.lookup) + depth * level + overhead)
-                table.append({"depth": depth, "total_tokens": total, "tau": tau, "speedup": speedup})
+                tau, nodes = expected_tau(trace, total, depth)
+                tau = min(tau, measured_tau)
+                nodes = total + 1 + gen.lookup if gen.static_shapes else nodes  # static: the chain's padding too
+                speedup = tau * costs[1] / (interpolate(costs, nodes) + depth * level + overhead)
+                table.append({"depth": depth, "total_tokens": total, "tau": tau, "speedup": speedup, "nodes": nodes})
         best = max(table, key=lambda row: row["speedup"])
         pick = (best["depth"], best["total_tokens"])
         if gen.lookup:  # the chain alone: no drafting, the loop's overhead stays
-            tau = min(expected_tau(trace, 0, 1, gen.lookup), measured_tau)
-            table.append({"depth": NO_TREE[0], "total_tokens": 0, "tau": tau,
-                          "speedup": tau * costs[1] / (interpolate(costs, 1 + gen.lookup) + overhead)})
+            tau, nodes = expected_tau(trace, 0, 1)
+            tau = min(tau, measured_tau)
+            nodes = 1 + gen.lookup if gen.static_shapes else nodes
+            table.append({"depth": NO_TREE[0], "total_tokens": 0, "tau": tau, "nodes": nodes,
+                          "speedup": tau * costs[1] / (interpolate(costs, nodes) + overhead)})
         plain = PLAIN if gen.lookup else NO_TREE
         table.append({"depth": plain[0], "total_tokens": 0, "tau": 1.0, "speedup": 1.0})
         rows = {(row["depth"], row["total_tokens"]): row for row in table}
@@ -373,11 +380,13 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperatu
         clock.close()
 
 
-def shapes(choice: dict, lookup: int = 0, count: int = 3) -> list[Shape]:
+def shapes(choice: dict, lookup: int = 0, count: int = 3, larger: int = 2) -> list[Shape]:
     """The tree shapes adaptation switches between (:class:`griffin.adapt.ShapePolicy`) for a tuning record: the tree
     it chose (where it chose none, its best estimate), then up to ``count - 1`` smaller ones, each the best depth for
-    at most half the nodes of the one before; with the tuner's expected tau and cost relative to a plain step, the
-    cost as the check measured it (:func:`cost_scale`)."""
+    at most half the nodes of the one before, and up to ``larger`` larger ones, each the best depth for at least twice
+    the nodes of the one before (for requests that accept more than the calibration did: a second turn that quotes the
+    first); with the tuner's expected tau and cost relative to a plain step, the cost as the check measured it
+    (:func:`cost_scale`)."""
     # trees expected to accept something
     useful = [r for r in choice.get("candidates") or [] if r["total_tokens"] > 0 and r["depth"] > 0 and r["tau"] > 1]
     best: dict[int, dict] = {}  # total_tokens -> the row of the best depth for it
@@ -397,6 +406,13 @@ def shapes(choice: dict, lookup: int = 0, count: int = 3) -> list[Shape]:
         if not smaller:
             break
         rows.append(best[max(smaller)])
+    top = first["total_tokens"]
+    for _ in range(larger):
+        bigger = [total for total in best if total >= 2 * top]
+        if not bigger:
+            break
+        top = min(bigger)
+        rows.append(best[top])
     scale = cost_scale(choice)
     return [Shape(r["depth"], r["total_tokens"], r["tau"], scale * r["tau"] / r["speedup"], max(r["depth"], lookup) + 1)
             for r in rows]

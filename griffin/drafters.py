@@ -22,14 +22,15 @@ from .verify import default_verifier
 from .vocab import DraftVocab
 
 MAX_CONTEXT_VOCAB = 2048  # default slots for context tokens in a reduced draft vocabulary
+NGRAMS, TRIMMED_NGRAMS = (3, 2, 1), (3, 2)  # prompt lookup's n-gram sizes, longest first: static chains, trimmed ones
 
 
-def head_drafter(draft: DraftModel, depth: int, top_k: int, total_tokens: int, capacity: int,
-                 lookup: int = 0) -> HeadDrafter | PromptLookup:
+def head_drafter(draft: DraftModel, depth: int, top_k: int, total_tokens: int, capacity: int, lookup: int = 0,
+                 ngrams: tuple[int, ...] | None = None, trim: bool = False) -> HeadDrafter | PromptLookup:
     """A new :class:`HeadDrafter` for a generation of up to ``capacity`` positions, inside a :class:`PromptLookup` of
-    ``lookup`` tokens when ``lookup`` > 0."""
+    ``lookup`` tokens (its ``ngrams`` and ``trim``) when ``lookup`` > 0."""
     head = HeadDrafter(draft, depth, top_k, total_tokens, capacity)
-    return PromptLookup(head, lookup, capacity) if lookup else head
+    return PromptLookup(head, lookup, capacity, ngrams, trim) if lookup else head
 
 
 def tree_nodes(depth: int, top_k: int, total_tokens: int) -> int:
@@ -113,12 +114,19 @@ class PromptLookup:
     occurrence of the context's last n-gram (the longest n in ``ngrams`` that occurs), grafted below the tree's node
     that already spells their start (:func:`griffin.tree.graft`). A head drafts text it has learnt; the chain drafts
     text that is copied (a rewrite, a quote, code edited again), and verification takes whichever the target agrees
-    with, in the same pass. Lossless like any deterministic draft."""
+    with, in the same pass. Lossless like any deterministic draft.
 
-    def __init__(self, inner, tokens: int, capacity: int, ngrams: tuple[int, ...] = (3, 2, 1)):
+    Static shapes (the default; what a GPU needs to never wait) verify all ``tokens`` chain nodes every cycle, padding
+    included. With ``trim`` (on the CPU, where reading a tensor costs no sync) a proposal carries only the chain's
+    real tokens that the tree does not already spell, so a cycle whose chain found nothing costs what the tree alone
+    costs; since every verified node then costs time, a match needs ``ngrams`` of at least 2 tokens by default (a
+    single token almost always occurs earlier, and what follows it rarely repeats)."""
+
+    def __init__(self, inner, tokens: int, capacity: int, ngrams: tuple[int, ...] | None = None, trim: bool = False):
+        ngrams = (TRIMMED_NGRAMS if trim else NGRAMS) if ngrams is None else ngrams
         if tokens < 1 or not ngrams or min(ngrams) < 1:
             raise ValueError("prompt lookup needs tokens >= 1 and n-gram sizes >= 1")
-        self.inner, self.tokens, self.ngrams = inner, tokens, sorted(set(ngrams), reverse=True)
+        self.inner, self.tokens, self.ngrams, self.trim = inner, tokens, sorted(set(ngrams), reverse=True), trim
         self._shape()
         self.context = torch.zeros(capacity + 1, dtype=torch.long)  # every token so far, the root last
         self.length = 0
@@ -144,7 +152,11 @@ class PromptLookup:
 
     def propose(self, token: torch.Tensor) -> Tree:
         chain_tokens, valid = self.lookup()
-        return graft(self.inner.propose(token), chain_tokens, valid)
+        tree = self.inner.propose(token)
+        if not self.trim:
+            return graft(tree, chain_tokens, valid)
+        real = int(valid.sum())  # the chain's real tokens are a prefix
+        return (graft(tree, chain_tokens[:real], valid[:real]) if real else tree).compact()
 
     def accept(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         self._append(tokens)

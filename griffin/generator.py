@@ -95,6 +95,10 @@ class SpecGenerator:
         self.weight_major = self.backend.weight_major
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.lookup = lookup  # tokens of the prompt-lookup chain added to each head tree (0: none)
+        # proposals keep static sizes (padding verified, nothing read back) on a GPU and when compiled; on the CPU,
+        # where a read costs no sync, the lookup chain is cut to its real tokens (:class:`PromptLookup`)
+        self.static_shapes = self.device.type != "cpu" or compile is not None
+        self.lookup_ngrams: tuple[int, ...] | None = None  # the chain's n-gram sizes (None: PromptLookup's default)
         self.timing = timing  # split draft / verify / other time in GenerationStats (synchronises the device)
         self.draft_path: Path | None = None  # the folder the head was loaded from, if any
         self._drafter: HeadDrafter | DraftLMDrafter | None = None
@@ -361,7 +365,9 @@ class SpecGenerator:
         else:
             head = self._drafter
             head.prepare(depth, self.top_k, total, capacity)
-        return PromptLookup(head, self.lookup, capacity) if self.lookup else head
+        if not self.lookup:
+            return head
+        return PromptLookup(head, self.lookup, capacity, self.lookup_ngrams, trim=not self.static_shapes)
 
     @property
     def adapting(self) -> bool:

@@ -27,6 +27,7 @@ class Tree:
     max_depth: int  # static bound on ``depths`` (the drafter's depth)
     valid: torch.Tensor | None = None  # [N+1] bool, False for padding nodes; None: every node is real
     q: torch.Tensor | None = None  # [N+1, V] draft distribution each node's children were sampled from (p/q rules)
+    grafted: int = 0  # the last nodes are a prompt-lookup chain's (:func:`graft`), this many
 
     def ranks(self) -> torch.Tensor:
         """[N+1] each node's position in ``draft_order`` (the root is 0)."""
@@ -37,6 +38,19 @@ class Tree:
     @property
     def size(self) -> int:
         return self.tokens.shape[-1]
+
+    def compact(self) -> Tree:
+        """The tree without its padding nodes (the same tree where there are none). Reads ``valid`` on the host: a
+        sync on a GPU, where static shapes are kept instead."""
+        if self.valid is None or bool(self.valid.all()):
+            return self
+        kept = self.valid.nonzero().flatten()  # [M+1], the root first: a padding node is never an ancestor
+        index = self.valid.long().cumsum(0) - 1  # [N+1] each kept node's new number
+        order = self.draft_order[self.valid[self.draft_order]]
+        chain = int(self.valid[self.size - self.grafted :].sum()) if self.grafted else 0
+        return Tree(self.tokens[kept], index[self.parents[kept]], self.depths[kept],
+                    self.ancestors[kept][:, kept], index[order], self.max_depth, None,
+                    None if self.q is None else self.q[kept], chain)
 
 
 def build_tree(root: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor,
@@ -172,4 +186,4 @@ def graft(tree: Tree, tokens: torch.Tensor, valid: torch.Tensor) -> Tree:
     ancestors[n1 + j, n1 + j] = True
     return Tree(torch.cat((tree.tokens, tokens)), torch.cat((tree.parents, parents)),
                 torch.cat((tree.depths, depths)), ancestors, torch.cat((tree.draft_order, n1 + j)),
-                max(tree.max_depth, k), torch.cat((real, new)))
+                max(tree.max_depth, k), torch.cat((real, new)), grafted=k)

@@ -166,8 +166,8 @@ def test_one_host_sync_per_cycle_in_the_plain_loop_and_while_adapting(counted): 
 
 
 def test_shapes_cost_what_the_check_measured():
-    """The tuner's shapes: its tree, then the best depth for at most half the nodes; each cycle's cost scaled by how
-    much dearer the check measured the timed trees than the forward-cost curve estimated (the median)."""
+    """The tuner's shapes: its tree, the best depth for at most half the nodes and for at least twice as many; each
+    cycle's cost scaled by how much dearer the check measured the timed trees than the curve estimated (the median)."""
     candidates = [{"depth": d, "total_tokens": n, "tau": 1 + 0.1 * n + 0.05 * d, "speedup": 1.2 - 0.01 * n - 0.02 * d}
                   for d in (1, 2, 3) for n in (1, 2, 4, 8)]
     rows = {(r["depth"], r["total_tokens"]): r for r in candidates}
@@ -176,7 +176,9 @@ def test_shapes_cost_what_the_check_measured():
                                               "1x1": rows[1, 1]["speedup"] / 1.5, "1x0": 0.5}}
     assert cost_scale(record) == pytest.approx(1.3)  # the chain alone (no head node) is no tree of the table
     got = shapes(record, lookup=0)
-    assert [(s.depth, s.total_tokens) for s in got] == [(2, 8), (1, 4), (1, 2)]
+    assert [(s.depth, s.total_tokens) for s in got] == [(2, 8), (1, 4), (1, 2)]  # none larger in the table
+    small = shapes(record | {"depth": 1, "total_tokens": 1}, count=2)
+    assert [(s.depth, s.total_tokens) for s in small] == [(1, 1), (1, 2), (1, 4)]  # up: twice the nodes, twice
     for shape in got:
         row = rows[shape.depth, shape.total_tokens]
         assert shape.cost == pytest.approx(1.3 * row["tau"] / row["speedup"])

@@ -201,16 +201,18 @@ def exact_sequences(target, prompt: torch.Tensor, cfg: SamplingConfig, length: i
     return probs
 
 
-@pytest.mark.parametrize("lookup", [0, 3])
-def test_sampling_over_several_cycles_matches_the_target_distribution(lookup):
+@pytest.mark.parametrize("lookup,static", [(0, True), (3, True), (3, False)])
+def test_sampling_over_several_cycles_matches_the_target_distribution(lookup, static):
     """Four tokens with trees of depth 1 take at least two verification cycles, the later ones on a compacted KV
     cache; temperature 0.8 and top-k 3 warp the target. Chi-square against the exact distribution. With ``lookup``
-    a prompt-lookup chain joins every tree (the context of 5 token ids repeats, so it often finds one)."""
+    a prompt-lookup chain joins every tree (the context of 5 token ids repeats, so it often finds one): at a static
+    size as on a GPU, or cut to its real tokens as on the CPU."""
     target = tiny_model("llama", vocab_size=5, hidden=16, layers=1, seed=11)
     with torch.no_grad():
         target.lm_head.weight.mul_(0.25)  # a spread-out distribution
     gen = SpecGenerator(target, NoTokenizer(), untrained_head(target, "eagle"), depth=1, top_k=2, total_tokens=2,
                         lookup=lookup)
+    gen.static_shapes = static
     prompt = torch.tensor([1, 3, 0])
     cfg = SamplingConfig(temperature=0.8, top_k=3)
     exact = exact_sequences(target, prompt, cfg, length=4)
@@ -225,8 +227,9 @@ def test_sampling_over_several_cycles_matches_the_target_distribution(lookup):
         accepted += out.stats.new_tokens - 1 - out.stats.cycles  # drafted tokens accepted (bonus tokens excluded)
     assert set(counts) <= set(exact), "sampled a sequence the target cannot produce under top-k 3"
     assert min(cycles) >= 2 and accepted > runs // 4
-    if lookup:  # the chain's tokens are accepted too (seeded: 1186 drafted tokens against 1007 without it)
-        assert accepted > 1100
+    if lookup:  # the chain's tokens are accepted too (seeded: 1186 drafted tokens, or 1095 with the trimmed chain's
+        # matches of 2 tokens or more, against 1007 without it)
+        assert accepted > (1100 if static else 1050), accepted
     pvalue, cells = pooled_chisquare(counts, exact, runs)
     assert cells > 20 and pvalue > 0.001, (pvalue, counts)
 

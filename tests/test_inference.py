@@ -30,10 +30,10 @@ def test_expected_tau_counts_the_path_inside_smaller_trees():
     assert tree.depths.tolist() == [0, 1, 1, 2, 3, 4]
     path = torch.tensor([0, 1, 3, 4])  # the target accepted three chain nodes
     trace = [(tree, path)]
-    assert expected_tau(trace, total=5, depth=8) == 4  # 3 accepted + the bonus token
-    assert expected_tau(trace, total=5, depth=2) == 3  # depth 2 cuts after two nodes
-    assert expected_tau(trace, total=2, depth=8) == 2  # the 2 best nodes: chain node 1 and the sibling
-    assert expected_tau(trace, total=3, depth=8) == 3
+    assert expected_tau(trace, total=5, depth=8) == (4, 6)  # 3 accepted + the bonus token; all 6 nodes verified
+    assert expected_tau(trace, total=5, depth=2) == (3, 4)  # depth 2 cuts after two nodes
+    assert expected_tau(trace, total=2, depth=8) == (2, 3)  # the 2 best nodes: chain node 1 and the sibling
+    assert expected_tau(trace, total=3, depth=8) == (3, 4)
 
 
 class CharTokenizer:

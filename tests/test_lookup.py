@@ -103,11 +103,54 @@ def test_greedy_verifier_is_kept():
 def test_expected_tau_keeps_the_chain_and_the_path_it_spells_in_every_cut_tree():
     grafted = graft(small_tree(), torch.tensor([1, 3, 7, 8]), torch.ones(4, dtype=torch.bool))
     trace = [(grafted, torch.tensor([0, 1, 3, 7, 8]))]  # the target took the whole chain: 4 tokens + the bonus
-    assert expected_tau(trace, total=4, depth=8, chain=4) == 5
-    assert expected_tau(trace, total=4, depth=8) == 3  # as if chain nodes were the head's: ranked last, cut
+    assert expected_tau(trace, total=4, depth=8) == (5, 7)  # the root, 4 head nodes, 2 chain nodes (not padding)
     # a one-node head tree keeps node 1; node 3 (the head's 3rd best) stays because the chain spells it
-    assert expected_tau(trace, total=1, depth=1, chain=4) == 5
-    assert expected_tau([(grafted, torch.tensor([0, 2]))], total=1, depth=8, chain=4) == 1  # node 2: the head's, cut
+    assert expected_tau(trace, total=1, depth=1) == (5, 5)
+    assert expected_tau([(grafted, torch.tensor([0, 2]))], total=1, depth=8)[0] == 1  # node 2: the head's, cut
+    # a trimmed proposal (the chain's padding dropped) is the same tree to the tuner
+    assert expected_tau([(grafted.compact(), torch.tensor([0, 1, 3, 5, 6]))], total=1, depth=1) == (5, 5)
+    assert expected_tau([(small_tree(), torch.tensor([0, 1, 3]))], total=4, depth=8) == (3, 5)  # no chain
+
+
+def test_compact_drops_padding_and_renumbers_the_tree():
+    grafted = graft(small_tree(), torch.tensor([1, 3, 7, 8]), torch.ones(4, dtype=torch.bool))
+    tree = grafted.compact()
+    assert tree.valid is None and tree.grafted == 2 and tree.max_depth == grafted.max_depth
+    assert tree.tokens.tolist() == [9, 1, 2, 3, 4, 7, 8]
+    assert tree.parents.tolist() == [0, 0, 0, 1, 1, 3, 5]
+    assert tree.depths.tolist() == [0, 1, 1, 2, 2, 3, 4]
+    assert tree.ancestors[6].nonzero().flatten().tolist() == [0, 1, 3, 5, 6]
+    assert tree.draft_order.tolist() == [0, 1, 2, 3, 4, 5, 6]
+    choice = torch.zeros(7, dtype=torch.long)
+    choice[0], choice[1], choice[3], choice[5], choice[6] = 1, 3, 7, 8, 5
+    assert follow(tree, choice).emitted(tree).tolist() == [1, 3, 7, 8, 5]  # what the padded tree accepts
+    unpadded = small_tree()
+    assert unpadded.compact() is unpadded
+    assert graft(unpadded, torch.tensor([6]), torch.zeros(1, dtype=torch.bool)).compact().size == 5  # no match
+
+
+def test_a_trimmed_chain_verifies_only_its_real_tokens_and_matches_the_static_one():
+    target = tiny_model("llama", vocab_size=64)
+    torch.manual_seed(0)
+    head = DraftModel(DraftConfig.from_target(target.config))
+    prompt = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6])
+    outputs, sizes = {}, {}
+    for static in (True, False):
+        gen = SpecGenerator(target, NoTokenizer(), head, depth=3, top_k=4, total_tokens=4, lookup=6)
+        assert not gen.static_shapes  # on the CPU
+        gen.static_shapes = static
+        forward, seen = gen.backend.forward, []
+
+        def counting(tokens, *args, _forward=forward, _seen=seen, **kwargs):
+            _seen.append(tokens.shape[0])
+            return _forward(tokens, *args, **kwargs)
+
+        gen.backend.forward = counting
+        outputs[static] = gen.generate(prompt, max_new_tokens=24).sequences
+        sizes[static] = seen
+    assert torch.equal(outputs[True], outputs[False])
+    assert set(sizes[True]) == {1 + 4 + 6}  # static: every cycle verifies the whole chain
+    assert max(sizes[False]) <= 1 + 4 + 6 and min(sizes[False]) < 1 + 4 + 6  # trimmed: a chain's padding is not
 
 
 def test_the_tree_is_tuned_with_the_chain_and_apart_from_the_tree_without_it(tmp_path, monkeypatch):
