@@ -55,7 +55,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from griffin import SpecGenerator
-    from griffin.autotune import tuning_record
 
     torch.manual_seed(0)
     gens = {"plain": SpecGenerator.from_pretrained(args.target, total_tokens=0, adapt=False),
@@ -68,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     warm = gens["plain"].encode([{"role": "user", "content": "Hello"}])
     for gen in gens.values():  # first calls' one-time costs (and the adaptive generator's tuning) untimed
         gen.generate(warm, max_new_tokens=8)
-    tuning = tuning_record(gens["adaptive"], 0.0) or {}
+    tuning = gens["adaptive"].tunings.get(0.0) or {}
     costs = shape_costs(tuning)
     rows = []
     for q in questions:

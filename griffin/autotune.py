@@ -459,14 +459,22 @@ def describe(choice: dict) -> str:
 def autotune(gen, retune: bool = False, budget_s: float | None = None,
              temperature: float = 0.0) -> tuple[int, int, int]:
     """-> (depth, top_k, total_tokens) for ``gen``'s target, head and lookup chain on this machine, for generations
-    at ``temperature`` (tuned once per temperature band, then cached)."""
+    at ``temperature`` (tuned once per temperature band, then cached): :func:`tuned_choice`'s."""
+    choice = tuned_choice(gen, retune, budget_s, temperature)
+    return choice["depth"], choice["top_k"], choice["total_tokens"]
+
+
+def tuned_choice(gen, retune: bool = False, budget_s: float | None = None, temperature: float = 0.0) -> dict:
+    """The tuning record for ``gen`` at ``temperature``'s band: this machine's cached one, else measured now and
+    cached. The record itself, not a later read of the cache, which another process tuning the same band may have
+    rewritten since."""
     temperature = temperature_band(temperature)
     path = _record_path(gen, temperature)
     choice = None if retune else read_cached(path, "tuning record", checked_choice, "tuning again")
     if choice is not None:
         log.info("draft tree: %s (tuned for this machine on %s; --retune measures again, --total-tokens N fixes "
                  "it)", describe(choice), choice.get("tuned_at"))
-        return choice["depth"], choice["top_k"], choice["total_tokens"]
+        return choice
     log.info("tuning the draft tree for this machine and head%s (at most %.0f s, once; --total-tokens N skips it)",
              f" at T={temperature}" if temperature else "", budget_s or BUDGET_S)
     choice = tune(gen, budget_s, temperature=temperature)
@@ -474,7 +482,7 @@ def autotune(gen, retune: bool = False, budget_s: float | None = None,
     cached_in = f"cached in {path}" if write_cached(path, choice, "tuning record") else "not cached"
     log.info("draft tree: %s, chosen in %.0f s: %s (%s)", describe(choice), choice["tuning_s"],
              choice["reason"], cached_in)
-    return choice["depth"], choice["top_k"], choice["total_tokens"]
+    return choice
 
 
 BATCH_BUDGET_S = {"forward cost": 12.0, "check": 25.0}  # seconds per phase of a batch size's tuning (at least 3 turns)

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .adapt import Shape, ShapePolicy
-from .autotune import autotune, autotune_batch, shapes, temperature_band, tune_gamma, tuning_record
+from .autotune import autotune_batch, shapes, temperature_band, tune_gamma, tuned_choice
 from .backend import TargetBackend
 from .batch import BatchHeadDrafter, decode_rows
 from .chat_template import check_messages, prompt_ids
@@ -104,6 +104,7 @@ class SpecGenerator:
         self._drafter: HeadDrafter | DraftLMDrafter | None = None
         self._busy = False  # a generation is using the shared KV buffer and drafter
         self.autotuned = False  # the tree (or gamma) follows each generation's temperature band (see tune_for)
+        self.tunings: dict[float, dict] = {}  # temperature band -> the tuning record of the tree in use there
         self._retune = False  # measure each band again once (retune=True) instead of reading this machine's record
         self._retuned: set[float] = set()  # the bands measured again so far
         self._band: float | None = None  # the temperature band the current tree (or gamma) was tuned for
@@ -264,8 +265,9 @@ class SpecGenerator:
         if isinstance(self.draft, DraftLM):
             self.gamma = tune_gamma(self, temperature=band, retune=retune)["gamma"]
         else:
-            self.depth, self.top_k, self.total_tokens = autotune(self, retune=retune, temperature=band)
-            self._shapes = shapes(tuning_record(self, band) or {}, self.lookup)
+            choice = self.tunings[band] = tuned_choice(self, retune=retune, temperature=band)
+            self.depth, self.top_k, self.total_tokens = choice["depth"], choice["top_k"], choice["total_tokens"]
+            self._shapes = shapes(choice, self.lookup)
         self._retuned.add(band)
         self._band = band
 

@@ -312,6 +312,7 @@ def test_the_tuner_keeps_the_plain_loop_unless_a_tree_beats_it_beyond_the_noise(
         return per_turn[seed % len(per_turn)]
 
     monkeypatch.setattr(autotune, "_seconds_per_token", seconds_per_token)
+    monkeypatch.setattr(autotune, "MIN_TURNS", autotune.CHECK_TURNS)  # every turn below, however busy the machine
     seconds.update({autotune.NO_TREE: [1.0], "tree": [2.0]})  # every tree is slower
     choice = autotune.tune(gen, budget_s=3.0)
     assert (choice["depth"], choice["total_tokens"]) == autotune.NO_TREE and autotune.NO_TREE in timed

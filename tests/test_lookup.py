@@ -13,6 +13,7 @@ from griffin.autotune import expected_tau
 from griffin.drafters import PromptLookup
 from griffin.tree import build_tree, graft
 from griffin.verify import Greedy, follow
+from inference import speed
 from tests.conftest import tiny_model
 from tests.test_engine import NoTokenizer
 from tests.test_inference import CharTokenizer
@@ -169,3 +170,6 @@ def test_the_tree_is_tuned_with_the_chain_and_apart_from_the_tree_without_it(tmp
     assert {n + 1 + 4 for n in autotune.TOTALS[::3]} <= set(map(int, choice["forward_cost_s"]))  # the chain's rows
     plain = SpecGenerator.from_pretrained(target, head, tokenizer=CharTokenizer(), total_tokens="auto")
     assert plain.lookup == 0 and len(list((tmp_path / "autotune").glob("*.json"))) == 2  # tuned apart
+    # another process tuning the same band rewrites the cache: a run reports the choice its generator took
+    record.write_text(json.dumps(choice | {"reason": "another process's choice"}))
+    assert gen.tunings[0.0]["reason"] == choice["reason"] == speed.tuning_summary(gen, 0.0)["reason"]
