@@ -22,7 +22,8 @@ from .verify import default_verifier
 from .vocab import DraftVocab
 
 MAX_CONTEXT_VOCAB = 2048  # default slots for context tokens in a reduced draft vocabulary
-NGRAMS, TRIMMED_NGRAMS = (3, 2, 1), (3, 2)  # prompt lookup's n-gram sizes, longest first: static chains, trimmed ones
+# prompt lookup's n-gram sizes, longest first: static chains, trimmed ones (benchmarks/results/chain-trim/)
+NGRAMS, TRIMMED_NGRAMS = (3, 2, 1), (3, 2)
 
 
 def head_drafter(draft: DraftModel, depth: int, top_k: int, total_tokens: int, capacity: int, lookup: int = 0,
