@@ -15,30 +15,19 @@ Writes ``<out>.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
-from griffin.cli import positive_int, run_cli
-from griffin.constants import EMBEDDED_TARGET
+from benchmarks.paired import study_parser, take_turns, timed
+from griffin.cli import run_cli
 from griffin.report import command_line, machine_info, machine_text, markdown_table, write_benchmark
-from inference.questions import first_per_category, load_questions
 
 METHODS = ("plain", "fixed", "adaptive")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.adaptive_vs_fixed", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=EMBEDDED_TARGET)
-    p.add_argument("--per-category", type=positive_int, default=2, help="MT-Bench questions per category")
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
-    p.add_argument("--depth", type=positive_int, default=3, help="the fixed tree's depth")
-    p.add_argument("--total-tokens", type=positive_int, default=6, help="the fixed tree's nodes")
-    p.add_argument("--lookup", type=int, default=10, help="prompt-lookup chain of both speculative methods")
+    p = study_parser("python -m benchmarks.adaptive_vs_fixed", __doc__, "benchmarks/results/adaptive/adaptive-vs-fixed")
     p.add_argument("--retune", action="store_true", help="measure the adaptive generator's tree again first")
-    p.add_argument("--out", default="benchmarks/results/adaptive/adaptive-vs-fixed", help="path without suffix")
     args = p.parse_args(argv)
     args.argv = argv
     return args
@@ -62,39 +51,21 @@ def main(argv: list[str] | None = None) -> int:
                                                    lookup=args.lookup, adapt=False),
             "adaptive": SpecGenerator.from_pretrained(args.target, lookup=args.lookup, retune=args.retune)}
     fixed_shape = f"{args.total_tokens}x{args.depth}"
-    questions = first_per_category(load_questions("mt_bench"), args.per_category)
-    categories = list(dict.fromkeys(q["category"] for q in questions))
     warm = gens["plain"].encode([{"role": "user", "content": "Hello"}])
     for gen in gens.values():  # first calls' one-time costs (and the adaptive generator's tuning) untimed
         gen.generate(warm, max_new_tokens=8)
     tuning = gens["adaptive"].tunings.get(0.0) or {}
     costs = shape_costs(tuning)
-    rows = []
-    for q in questions:
-        messages = [{"role": "user", "content": q["turns"][0]}]
-        for turn in (0, 1):
-            ids = gens["plain"].encode(messages)
-            row = {"question_id": q["question_id"], "category": q["category"], "turn": turn}
-            for name, gen in gens.items():
-                start = time.perf_counter()
-                result = gen.generate(ids, max_new_tokens=args.max_new_tokens)
-                seconds = time.perf_counter() - start
-                s = result.stats
-                shapes = dict(s.shapes) if name == "adaptive" else {fixed_shape: s.cycles} if name == "fixed" else {}
-                steps = s.plain_steps + sum(costs[k] * n for k, n in shapes.items())
-                row[name] = {"tokens_per_s": s.new_tokens / seconds, "tau": s.tau, "new_tokens": s.new_tokens,
-                             "plain_steps": s.plain_steps, "tree_cycles": shapes,
-                             "modelled_tokens_per_step": (s.new_tokens - 1) / steps if steps else 1.0}
-                if name == "plain":
-                    answer, tokens = result.text, result.sequences[0, ids.shape[0]:].tolist()
-                elif result.sequences[0, ids.shape[0]:].tolist() != tokens:
-                    raise RuntimeError(f"question {q['question_id']} turn {turn + 1}: {name} wrote other tokens "
-                                       "than the plain loop")
-            rows.append(row)
-            print(json.dumps({k: row[k] for k in ("question_id", "turn")} | {
-                m: round(row[m]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3) for m in METHODS[1:]}),
-                flush=True)
-            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": q["turns"][1]}]
+
+    def record(name: str, result) -> dict:
+        s = result.stats
+        shapes = dict(s.shapes) if name == "adaptive" else {fixed_shape: s.cycles} if name == "fixed" else {}
+        steps = s.plain_steps + sum(costs[k] * n for k, n in shapes.items())
+        return {"plain_steps": s.plain_steps, "tree_cycles": shapes,
+                "modelled_tokens_per_step": (s.new_tokens - 1) / steps if steps else 1.0}
+
+    rows = take_turns(lambda name, ids: timed(gens[name], ids, args.max_new_tokens), list(METHODS),
+                      gens["plain"].encode, args.per_category, record)
 
     def summary(selected: list[dict]) -> dict:
         out = {"prompts": len(selected)}
@@ -109,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     groups = {"all": rows, "turn 1": [r for r in rows if r["turn"] == 0], "turn 2": [r for r in rows if r["turn"] == 1]}
-    groups |= {c: [r for r in rows if r["category"] == c] for c in categories}
+    groups |= {c: [r for r in rows if r["category"] == c] for c in dict.fromkeys(r["category"] for r in rows)}
     summaries = {name: summary(sel) for name, sel in groups.items()}
     result = {"target": args.target, "max_new_tokens": args.max_new_tokens, "fixed_tree": fixed_shape,
               "lookup": args.lookup, "tuning": tuning.get("reason"), "shape_costs": costs, "summary": summaries,

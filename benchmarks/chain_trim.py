@@ -15,16 +15,13 @@ difference against the static chain. Every variant must write the plain loop's t
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
-from griffin.cli import positive_int, run_cli
-from griffin.constants import EMBEDDED_TARGET
+from benchmarks.paired import study_parser, take_turns, timed
+from griffin.cli import run_cli
 from griffin.report import command_line, machine_info, machine_text, markdown_table, write_benchmark
-from inference.questions import first_per_category, load_questions
 
 # name -> (static shapes, the chain's n-gram sizes)
 VARIANTS = {"static, n-grams 3/2/1": (True, (3, 2, 1)), "trimmed, n-grams 3/2/1": (False, (3, 2, 1)),
@@ -33,16 +30,8 @@ BASE = "static, n-grams 3/2/1"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.chain_trim", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=EMBEDDED_TARGET)
-    p.add_argument("--per-category", type=positive_int, default=2, help="MT-Bench questions per category")
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
-    p.add_argument("--depth", type=positive_int, default=3, help="the tree's depth")
-    p.add_argument("--total-tokens", type=positive_int, default=6, help="the tree's nodes")
-    p.add_argument("--lookup", type=positive_int, default=10, help="the prompt-lookup chain's tokens")
-    p.add_argument("--out", default="benchmarks/results/chain-trim/chain-trim", help="path without suffix")
-    args = p.parse_args(argv)
+    args = study_parser("python -m benchmarks.chain_trim", __doc__,
+                        "benchmarks/results/chain-trim/chain-trim").parse_args(argv)
     args.argv = argv
     return args
 
@@ -62,38 +51,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def generate(name: str, ids: torch.Tensor) -> tuple[float, object]:
         if name == "plain":
-            gen = plain
-        else:
-            gen = tree
-            gen.static_shapes, gen.lookup_ngrams = VARIANTS[name]
-        start = time.perf_counter()
-        result = gen.generate(ids, max_new_tokens=args.max_new_tokens)
-        return time.perf_counter() - start, result
+            return timed(plain, ids, args.max_new_tokens)
+        tree.static_shapes, tree.lookup_ngrams = VARIANTS[name]
+        return timed(tree, ids, args.max_new_tokens)
 
     warm = plain.encode([{"role": "user", "content": "Hello"}])
     for name in ("plain", *VARIANTS):  # first calls' one-time costs untimed
         generate(name, warm)
-    questions = first_per_category(load_questions("mt_bench"), args.per_category)
-    rows = []
-    for q in questions:
-        messages = [{"role": "user", "content": q["turns"][0]}]
-        for turn in (0, 1):
-            ids = plain.encode(messages)
-            row = {"question_id": q["question_id"], "category": q["category"], "turn": turn}
-            for name in ("plain", *VARIANTS):
-                seconds, result = generate(name, ids)
-                s = result.stats
-                row[name] = {"tokens_per_s": s.new_tokens / seconds, "tau": s.tau, "new_tokens": s.new_tokens}
-                if name == "plain":
-                    answer, tokens = result.text, result.sequences[0, ids.shape[0]:].tolist()
-                elif result.sequences[0, ids.shape[0]:].tolist() != tokens:
-                    raise RuntimeError(f"question {q['question_id']} turn {turn + 1}: {name} wrote other tokens "
-                                       "than the plain loop")
-            rows.append(row)
-            print(json.dumps({k: row[k] for k in ("question_id", "turn")} | {
-                name: round(row[name]["tokens_per_s"] / row["plain"]["tokens_per_s"], 3) for name in VARIANTS}),
-                flush=True)
-            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": q["turns"][1]}]
+    rows = take_turns(generate, ["plain", *VARIANTS], plain.encode, args.per_category)
 
     def speedups(name: str) -> list[float]:
         return [r[name]["tokens_per_s"] / r["plain"]["tokens_per_s"] for r in rows]

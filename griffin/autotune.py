@@ -158,7 +158,7 @@ def cached_context_forward(gen, context: int, max_new: int) -> Callable[[int], N
     return forward
 
 
-def expected_tau(trace: list, total: int, depth: int) -> tuple[float, float]:
+def cut_tree_yield(trace: list, total: int, depth: int) -> tuple[float, float]:
     """-> (mean tokens per cycle, mean nodes verified per cycle, the root included) had the traced trees been cut to
     ``total`` head nodes of depth <= ``depth``. The nodes of a prompt-lookup chain grafted onto a traced tree (its last
     ``tree.grafted`` nodes) stay in every cut tree, with the head's nodes above the first of them (graft hangs the
@@ -338,7 +338,7 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperatu
         table = []
         for depth in range(1, MAX_DEPTH + 1):
             for total in TOTALS:
-                tau, nodes = expected_tau(trace, total, depth)
+                tau, nodes = cut_tree_yield(trace, total, depth)
                 tau = min(tau, measured_tau)
                 nodes = total + 1 + gen.lookup if gen.static_shapes else nodes  # static: the chain's padding too
                 speedup = tau * costs[1] / (interpolate(costs, nodes) + depth * level + overhead)
@@ -346,7 +346,7 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperatu
         best = max(table, key=lambda row: row["speedup"])
         pick = (best["depth"], best["total_tokens"])
         if gen.lookup:  # the chain alone: no drafting, the loop's overhead stays
-            tau, nodes = expected_tau(trace, 0, 1)
+            tau, nodes = cut_tree_yield(trace, 0, 1)
             tau = min(tau, measured_tau)
             nodes = 1 + gen.lookup if gen.static_shapes else nodes
             table.append({"depth": NO_TREE[0], "total_tokens": 0, "tau": tau, "nodes": nodes,

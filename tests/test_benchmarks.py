@@ -281,3 +281,29 @@ def test_headline_names_the_tuned_start_of_adaptive_runs():
     tree = {"tree": {"depth": 1, "total_tokens": 5, "lookup": 0}, "tuning": tuned, "plain_fraction": 0.7}
     assert tree_cell(tree) == "adaptive from 5 nodes, depth 1, 70% plain steps"
     assert tree_cell({**tree, "tuning": None}) == "5 nodes, depth 1"  # a fixed tree (or a run before adaptation)
+
+
+def test_paired_studies_continue_with_the_reference_answer_and_refuse_other_tokens():
+    from types import SimpleNamespace
+
+    from benchmarks.paired import take_turns
+
+    seen = []
+
+    def generate(name: str, ids: torch.Tensor):
+        seen.append((name, ids.shape[0]))
+        tokens = [7, 8] if name == "bad" else [5, 6]
+        stats = SimpleNamespace(new_tokens=2, tau=1.0 if name == "plain" else 2.0)
+        result = SimpleNamespace(stats=stats, text=f"answer-{len(seen)}",
+                                 sequences=torch.tensor([ids.tolist() + tokens]))
+        return (0.5 if name == "plain" else 0.25), result
+
+    def encode(messages: list[dict]) -> torch.Tensor:
+        return torch.arange(len(messages))  # one token per message: the second turn sees three
+
+    rows = take_turns(generate, ["plain", "tree"], encode, 1, lambda name, result: {"name": name})
+    assert len(rows) == 2 * 8 and [r["turn"] for r in rows[:2]] == [0, 1]  # 8 categories, both turns
+    assert seen[:4] == [("plain", 1), ("tree", 1), ("plain", 3), ("tree", 3)]
+    assert rows[0]["tree"] == {"tokens_per_s": 8.0, "tau": 2.0, "new_tokens": 2, "name": "tree"}
+    with pytest.raises(RuntimeError, match="bad wrote other tokens than plain"):
+        take_turns(generate, ["plain", "bad"], encode, 1)

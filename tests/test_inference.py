@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from griffin import DraftConfig, DraftModel, SpecGenerator, autotune
-from griffin.autotune import expected_tau
+from griffin.autotune import cut_tree_yield
 from griffin.tree import build_tree
 from tests.conftest import fake_result, run_module, tiny_model
 
@@ -25,15 +25,15 @@ def chain_tree(length: int):
     return build_tree(torch.tensor([99]), tokens, scores, parents, levels, total_tokens=length + 1)
 
 
-def test_expected_tau_counts_the_path_inside_smaller_trees():
+def test_cut_tree_yield_counts_the_path_inside_smaller_trees():
     tree = chain_tree(4)  # node ids: 1 (depth 1), 2 (sibling, depth 1), 3, 4, 5
     assert tree.depths.tolist() == [0, 1, 1, 2, 3, 4]
     path = torch.tensor([0, 1, 3, 4])  # the target accepted three chain nodes
     trace = [(tree, path)]
-    assert expected_tau(trace, total=5, depth=8) == (4, 6)  # 3 accepted + the bonus token; all 6 nodes verified
-    assert expected_tau(trace, total=5, depth=2) == (3, 4)  # depth 2 cuts after two nodes
-    assert expected_tau(trace, total=2, depth=8) == (2, 3)  # the 2 best nodes: chain node 1 and the sibling
-    assert expected_tau(trace, total=3, depth=8) == (3, 4)
+    assert cut_tree_yield(trace, total=5, depth=8) == (4, 6)  # 3 accepted + the bonus token; all 6 nodes verified
+    assert cut_tree_yield(trace, total=5, depth=2) == (3, 4)  # depth 2 cuts after two nodes
+    assert cut_tree_yield(trace, total=2, depth=8) == (2, 3)  # the 2 best nodes: chain node 1 and the sibling
+    assert cut_tree_yield(trace, total=3, depth=8) == (3, 4)
 
 
 class CharTokenizer:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from griffin import DraftConfig, DraftModel, SpecGenerator, autotune
-from griffin.autotune import expected_tau
+from griffin.autotune import cut_tree_yield
 from griffin.drafters import PromptLookup
 from griffin.tree import build_tree, graft
 from griffin.verify import Greedy, follow
@@ -101,16 +101,16 @@ def test_greedy_verifier_is_kept():
     assert isinstance(generator(4).make_drafter(64).verifier(type("S", (), {"greedy": True})(), None), Greedy)
 
 
-def test_expected_tau_keeps_the_chain_and_the_path_it_spells_in_every_cut_tree():
+def test_cut_tree_yield_keeps_the_chain_and_the_path_it_spells_in_every_cut_tree():
     grafted = graft(small_tree(), torch.tensor([1, 3, 7, 8]), torch.ones(4, dtype=torch.bool))
     trace = [(grafted, torch.tensor([0, 1, 3, 7, 8]))]  # the target took the whole chain: 4 tokens + the bonus
-    assert expected_tau(trace, total=4, depth=8) == (5, 7)  # the root, 4 head nodes, 2 chain nodes (not padding)
+    assert cut_tree_yield(trace, total=4, depth=8) == (5, 7)  # the root, 4 head nodes, 2 chain nodes (not padding)
     # a one-node head tree keeps node 1; node 3 (the head's 3rd best) stays because the chain spells it
-    assert expected_tau(trace, total=1, depth=1) == (5, 5)
-    assert expected_tau([(grafted, torch.tensor([0, 2]))], total=1, depth=8)[0] == 1  # node 2: the head's, cut
+    assert cut_tree_yield(trace, total=1, depth=1) == (5, 5)
+    assert cut_tree_yield([(grafted, torch.tensor([0, 2]))], total=1, depth=8)[0] == 1  # node 2: the head's, cut
     # a trimmed proposal (the chain's padding dropped) is the same tree to the tuner
-    assert expected_tau([(grafted.compact(), torch.tensor([0, 1, 3, 5, 6]))], total=1, depth=1) == (5, 5)
-    assert expected_tau([(small_tree(), torch.tensor([0, 1, 3]))], total=4, depth=8) == (3, 5)  # no chain
+    assert cut_tree_yield([(grafted.compact(), torch.tensor([0, 1, 3, 5, 6]))], total=1, depth=1) == (5, 5)
+    assert cut_tree_yield([(small_tree(), torch.tensor([0, 1, 3]))], total=4, depth=8) == (3, 5)  # no chain
 
 
 def test_compact_drops_padding_and_renumbers_the_tree():
