@@ -57,7 +57,7 @@ import numpy
 import torch
 
 from .adapt import Shape
-from .batch import BatchHeadDrafter, decode_rows
+from .batch import BatchHeadDrafter, batch_drafter, decode_rows
 from .chat_template import TemplateError
 from .decode import GenerationStats, decode
 from .draft_lm import DraftLM
@@ -557,12 +557,19 @@ def _rows_seconds_per_token(gen, prompts: list[torch.Tensor], tree: tuple[int, i
     drafter = None
     if total:
         longest = max(p.shape[0] for p in prompts) + max_new_tokens
-        drafter = BatchHeadDrafter(gen.draft, depth, gen.top_k, total, len(prompts), longest)
+        drafter = batch_drafter(gen.draft, depth, gen.top_k, total, len(prompts), longest, gen.lookup,
+                                gen.lookup_ngrams, trim=not gen.static_shapes)
     sampling, generator = calibration_sampling(gen, temperature, seed)
     stats = GenerationStats()
     decode_rows(gen.backend, drafter, prompts, [max_new_tokens] * len(prompts), sampling, gen.eos_ids(None),
                 generator, stats)
     return (stats.wall_s - stats.prefill_s) / max(stats.new_tokens - len(prompts), 1)  # the decoding after prefill
+
+
+def _nodes(row: dict) -> float:
+    """Nodes a cycle of a one-prompt record's tree verifies per row (a lookup chain's included; older records: the
+    tree's nodes and the root)."""
+    return row.get("nodes", row["total_tokens"] + 1)
 
 
 def tune_batch(gen, rows: int, temperature: float = 0.0) -> dict:
@@ -575,11 +582,11 @@ def tune_batch(gen, rows: int, temperature: float = 0.0) -> dict:
     record = tuning_record(gen, temperature) or {}
     table = [r for r in record.get("candidates") or [] if r["total_tokens"] > 0 and r["depth"] > 0]
     started = time.perf_counter()
-    choice: dict = {"rows": rows, "top_k": gen.top_k, "temperature": temperature, "lookup": 0}
+    choice: dict = {"rows": rows, "top_k": gen.top_k, "temperature": temperature, "lookup": gen.lookup}
     estimates: list[dict] = []
     if table:
         most = max(r["tau"] for r in table)
-        sizes = sorted({1} | {r["total_tokens"] + 1 for r in table})
+        sizes = sorted({1} | {round(_nodes(r)) for r in table})
         costs = forward_cost_rows(gen, rows, sizes, most=most,
                                   deadline=started + BATCH_BUDGET_S["forward cost"])
         running = 0.0
@@ -588,8 +595,8 @@ def tune_batch(gen, rows: int, temperature: float = 0.0) -> dict:
         level = _draft_level_rows(gen, rows)
         overhead = record.get("cycle_overhead_s", 0.0)
         for r in table:
-            if r["total_tokens"] + 1 <= max(costs):
-                cost = interpolate(costs, r["total_tokens"] + 1) + r["depth"] * level + overhead
+            if _nodes(r) <= max(costs):
+                cost = interpolate(costs, _nodes(r)) + r["depth"] * level + overhead
                 estimates.append(r | {"speedup": r["tau"] * costs[1] / cost})
         choice.update(forward_cost_s=costs, draft_level_s=level)
     contenders = [PLAIN]

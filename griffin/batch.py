@@ -15,7 +15,8 @@ One static tree shape per cycle for the whole batch (the generator's tree, or th
 
 A batch of one never comes here (the generator runs :func:`griffin.decode.decode`). With no drafter the loop is the
 batched plain loop (:func:`griffin.plain.plain_rows_step`). Each prompt is prefilled alone, as a one-prompt generation
-prefills it. Not batched: prompt-lookup chains, draft LMs and per-request adaptation (the tree is the batch's).
+prefills it. With ``lookup``, each row's tree carries its own prompt-lookup chain (:class:`BatchPromptLookup`).
+Not batched: draft LMs and per-request adaptation (the tree is the batch's).
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ import torch.nn.functional as F
 from .backend import TargetBackend
 from .decode import GenerationStats
 from .draft import DraftModel, DraftOutput
-from .drafters import MAX_CONTEXT_VOCAB, tree_nodes
+from .drafters import MAX_CONTEXT_VOCAB, NGRAMS, TRIMMED_NGRAMS, Context, tree_nodes
 from .kv_cache import BufferCache, DraftCache, RowsCache, move_entries
 from .plain import plain_rows_step
 from .sampling import SamplingConfig, greedy, sample, warp
-from .tree import Tree
+from .tree import Tree, graft
 from .vocab import DraftVocab
 
 
@@ -71,6 +72,8 @@ def follow_rows(tree: Tree, choice: torch.Tensor) -> tuple[torch.Tensor, torch.T
     nodes = torch.arange(n1, device=device)
     match = (tree.parents[:, None, :] == nodes[None, :, None]) & (tree.tokens[:, None, :] == choice[:, :, None])
     match[:, :, 0] = False  # [B, node, child]; the root is nobody's child
+    if tree.valid is not None:  # padding nodes are never entered
+        match &= tree.valid[:, None, :]
     rank = torch.empty_like(tree.draft_order).scatter_(1, tree.draft_order, nodes.expand(b, n1))
     first = torch.where(match, rank[:, None, :], n1).argmin(dim=2)  # [B, N+1] chosen child of each node
     moved = match.any(dim=2)
@@ -204,6 +207,74 @@ class BatchHeadDrafter:
         self.cache.length = max(self.lengths)
 
 
+def row_tree(trees: Tree, b: int) -> Tree:
+    """Row ``b`` of trees with a leading row axis, as a one-row :class:`Tree`."""
+    return Tree(trees.tokens[b], trees.parents[b], trees.depths[b], trees.ancestors[b], trees.draft_order[b],
+                trees.max_depth, None if trees.valid is None else trees.valid[b], None, trees.grafted)
+
+
+def stack_trees(trees: list[Tree]) -> Tree:
+    """One-row trees of one size -> a :class:`Tree` whose fields have a leading row axis."""
+    valid = [t.valid if t.valid is not None else torch.ones_like(t.tokens, dtype=torch.bool) for t in trees]
+    return Tree(*(torch.stack([getattr(t, f) for t in trees]) for f in ("tokens", "parents", "depths", "ancestors",
+                                                                         "draft_order")),
+                max(t.max_depth for t in trees), torch.stack(valid), None, trees[0].grafted)
+
+
+class BatchPromptLookup:
+    """:class:`griffin.drafters.PromptLookup` for B rows: each row's chain is copied from its own context and grafted
+    onto its own tree (:func:`griffin.tree.graft`). The rows' trees keep one shape: a chain of ``tokens`` nodes in
+    every row (static shapes), or with ``trim`` (the CPU, where reading a tensor costs no sync) of the most real
+    tokens any row found, padding where a row found fewer, and no chain in a cycle where no row found a match."""
+
+    def __init__(self, inner: BatchHeadDrafter, tokens: int, capacity: int, ngrams: tuple[int, ...] | None = None,
+                 trim: bool = False):
+        ngrams = (TRIMMED_NGRAMS if trim else NGRAMS) if ngrams is None else ngrams
+        if tokens < 1 or not ngrams or min(ngrams) < 1:
+            raise ValueError("prompt lookup needs tokens >= 1 and n-gram sizes >= 1")
+        self.inner, self.tokens, self.ngrams, self.trim = inner, tokens, sorted(set(ngrams), reverse=True), trim
+        self.capacity = capacity
+        self.depth = max(inner.depth, tokens)
+        self.total_tokens = inner.total_tokens + tokens
+        self.contexts: list[Context] = []
+
+    def start(self, prompts: list[torch.Tensor], hidden: list[torch.Tensor], tokens: torch.Tensor) -> None:
+        self.contexts = [Context(self.capacity) for _ in prompts]
+        for context, ids, token in zip(self.contexts, prompts, tokens, strict=True):
+            context.reset(torch.cat((ids, token[None])))
+        self.inner.start(prompts, hidden, tokens)
+
+    def propose(self, roots: torch.Tensor) -> Tree:
+        found = [context.lookup(self.tokens, self.ngrams) for context in self.contexts]
+        chains, valid = torch.stack([c for c, _ in found]), torch.stack([v for _, v in found])  # [B, K] each
+        trees = self.inner.propose(roots)
+        if self.trim:
+            real = int(valid.sum(dim=1).max())  # each row's real tokens are a prefix
+            if real == 0:
+                return trees
+            chains, valid = chains[:, :real], valid[:, :real]
+        return stack_trees([graft(row_tree(trees, b), chains[b], valid[b]) for b in range(roots.shape[0])])
+
+    def accept(self, tokens: torch.Tensor, hidden: torch.Tensor, counts: list[int], device_counts: torch.Tensor
+               ) -> None:
+        for context, row, n in zip(self.contexts, tokens, counts, strict=True):
+            context.append(row[:n])
+        self.inner.accept(tokens, hidden, counts, device_counts)
+
+    def select(self, rows: list[int]) -> None:
+        self.contexts = [self.contexts[r] for r in rows]
+        self.inner.select(rows)
+
+
+def batch_drafter(draft: DraftModel, depth: int, top_k: int, total_tokens: int, rows: int, capacity: int,
+                  lookup: int = 0, ngrams: tuple[int, ...] | None = None, trim: bool = False
+                  ) -> BatchHeadDrafter | BatchPromptLookup:
+    """A :class:`BatchHeadDrafter` for ``rows`` rows of up to ``capacity`` positions, inside a
+    :class:`BatchPromptLookup` of ``lookup`` tokens (its ``ngrams`` and ``trim``) when ``lookup`` > 0."""
+    head = BatchHeadDrafter(draft, depth, top_k, total_tokens, rows, capacity)
+    return BatchPromptLookup(head, lookup, capacity, ngrams, trim) if lookup else head
+
+
 def emitted_rows(tree: Tree, path: torch.Tensor, length: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
     """[B, D+1] each row's accepted tokens, then its bonus, then padding (:meth:`griffin.verify.Acceptance.emitted`)."""
     drafted = torch.cat((tree.tokens.gather(1, path[:, 1:]), bonus[:, None]), dim=1)
@@ -230,9 +301,9 @@ def pick(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Genera
 
 
 @torch.inference_mode()
-def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | None, prompts: list[torch.Tensor],
-                budgets: list[int], sampling: SamplingConfig, eos: torch.Tensor, generator: torch.Generator | None,
-                stats: GenerationStats) -> list[list[int]]:
+def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | BatchPromptLookup | None,
+                prompts: list[torch.Tensor], budgets: list[int], sampling: SamplingConfig, eos: torch.Tensor,
+                generator: torch.Generator | None, stats: GenerationStats) -> list[list[int]]:
     """prompts [P_b] -> each row's new tokens (up to and including its first EOS, at most ``budgets[b]``).
 
     ``drafter`` None: the batched plain loop. ``stats`` counts per row and cycle (``tau``: tokens per row per target

@@ -129,8 +129,7 @@ class PromptLookup:
             raise ValueError("prompt lookup needs tokens >= 1 and n-gram sizes >= 1")
         self.inner, self.tokens, self.ngrams, self.trim = inner, tokens, sorted(set(ngrams), reverse=True), trim
         self._shape()
-        self.context = torch.zeros(capacity + 1, dtype=torch.long)  # every token so far, the root last
-        self.length = 0
+        self.context = Context(capacity)
 
     def _shape(self) -> None:
         self.depth = max(self.inner.depth, self.tokens)
@@ -146,9 +145,7 @@ class PromptLookup:
         return choose(sampling, generator) if choose else default_verifier(sampling, generator)
 
     def start(self, ids: torch.Tensor, hidden: torch.Tensor, token: torch.Tensor) -> None:
-        self.context = self.context.to(ids.device)
-        self.length = 0
-        self._append(torch.cat((ids, token)))
+        self.context.reset(torch.cat((ids, token)))
         self.inner.start(ids, hidden, token)
 
     def propose(self, token: torch.Tensor) -> Tree:
@@ -160,24 +157,42 @@ class PromptLookup:
         return (graft(tree, chain_tokens[:real], valid[:real]) if real else tree).compact()
 
     def accept(self, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
-        self._append(tokens)
+        self.context.append(tokens)
         self.inner.accept(tokens, hidden)
 
-    def _append(self, tokens: torch.Tensor) -> None:
+    def lookup(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> the chain [tokens] and which of its tokens are real [tokens] (:meth:`Context.lookup`)."""
+        return self.context.lookup(self.tokens, self.ngrams)
+
+
+class Context:
+    """Every token of one generation so far (the newest last), and the chain prompt lookup copies from it."""
+
+    def __init__(self, capacity: int):
+        self.tokens = torch.zeros(capacity + 1, dtype=torch.long)
+        self.length = 0
+
+    def reset(self, tokens: torch.Tensor) -> None:
+        self.tokens = self.tokens.to(tokens.device)
+        self.length = 0
+        self.append(tokens)
+
+    def append(self, tokens: torch.Tensor) -> None:
         end = self.length + tokens.shape[0]
-        if end > self.context.shape[0]:
-            self.context = torch.cat((self.context, self.context.new_zeros(end)))
-        self.context[self.length : end] = tokens
+        if end > self.tokens.shape[0]:
+            self.tokens = torch.cat((self.tokens, self.tokens.new_zeros(end)))
+        self.tokens[self.length : end] = tokens
         self.length = end
 
-    def lookup(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> the chain [tokens] and which of its tokens are real [tokens] (none without a match), with tensor
-        operations only."""
-        n_ctx, context = self.length, self.context[: self.length]
+    def lookup(self, size: int, ngrams: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> the ``size`` tokens that followed the latest earlier occurrence of the context's last n-gram (the
+        longest n in ``ngrams``, longest first, that occurs) [size], and which of them are real [size] (none without a
+        match; a chain that reaches the newest token ends there), with tensor operations only."""
+        n_ctx, context = self.length, self.tokens[: self.length]
         device = context.device
         start = torch.zeros((), dtype=torch.long, device=device)
         found = torch.zeros((), dtype=torch.bool, device=device)
-        for n in self.ngrams:
+        for n in ngrams:
             if n_ctx <= n:
                 continue
             windows = context[: n_ctx - 1].unfold(0, n, 1)  # [n_ctx - n, n] every earlier n-gram with a successor
@@ -185,7 +200,7 @@ class PromptLookup:
             latest = torch.where(hits, torch.arange(hits.shape[0], device=device), -1).max()
             start = torch.where(found, start, latest + n)
             found = found | hits.any()
-        at = start + torch.arange(self.tokens, device=device)
+        at = start + torch.arange(size, device=device)
         return context[at.clamp(max=n_ctx - 1)], found & (at < n_ctx)
 
 

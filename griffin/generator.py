@@ -21,7 +21,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from .adapt import Shape, ShapePolicy
 from .autotune import autotune_batch, shapes, temperature_band, tune_gamma, tuned_choice
 from .backend import TargetBackend
-from .batch import BatchHeadDrafter, decode_rows
+from .batch import batch_drafter, decode_rows
 from .chat_template import check_messages, prompt_ids
 from .compat import check_compatible
 from .decode import GenerationStats, decode
@@ -499,7 +499,8 @@ class SpecGenerator:
                                  "time")
             drafter = None
             if total > 0:
-                drafter = BatchHeadDrafter(self.draft, depth, self.top_k, total, len(rows), longest)
+                drafter = batch_drafter(self.draft, depth, self.top_k, total, len(rows), longest, self.lookup,
+                                        self.lookup_ngrams, trim=not self.static_shapes)
             tokens = decode_rows(self.backend, drafter, rows, budgets, sampling, eos, generator, stats)
         return BatchResult(self._padded(rows, tokens), tokens,
                            [self.tokenizer.decode(t, skip_special_tokens=True) for t in tokens], stats)

@@ -8,7 +8,7 @@ import torch
 
 from griffin import SpecGenerator
 from griffin.autotune import PLAIN, autotune_batch
-from griffin.batch import BatchHeadDrafter, build_trees, decode_rows
+from griffin.batch import BatchHeadDrafter, batch_drafter, build_trees, decode_rows
 from griffin.decode import GenerationStats
 from griffin.sampling import SamplingConfig
 from tests.conftest import pooled_chisquare, tiny_model
@@ -45,6 +45,25 @@ def test_every_row_equals_its_own_greedy_generation(family, rows):
         longest = max(p.shape[0] for p in prompts)
         for row, (p, new) in enumerate(zip(prompts, refs, strict=True)):
             assert result.sequences[row, longest - p.shape[0] : longest + len(new)].tolist() == p.tolist() + new
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_rows_with_lookup_chains_equal_their_own_greedy_generation(static):
+    """Each row's tree carries its own prompt-lookup chain (static: every row verifies all chain nodes; trimmed, the
+    CPU default: the most real tokens any row found): every row is still its own greedy generation, and on prompts
+    that repeat themselves the chains are accepted (τ above the same batch without them)."""
+    target = tiny_model("llama", vocab_size=96, seed=3)
+    prompts = [torch.tensor(([5, 17, 33, 2, 60, 71, 8, 12] * 3)[i:]) for i in (0, 3, 7)] + prompts_of([9], 96)
+    refs = [reference(target, p, 24) for p in prompts]
+    taus = {}
+    for lookup in (0, 8):
+        gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=2, top_k=3, total_tokens=4,
+                            lookup=lookup)
+        gen.static_shapes = static
+        result = gen.generate([p.tolist() for p in prompts], max_new_tokens=24, eos_token_id=[])
+        assert result.tokens == refs, lookup
+        taus[lookup] = result.stats.tau
+    assert taus[8] > taus[0] + 0.25, taus
 
 
 class RowsOracle:
@@ -127,8 +146,10 @@ def test_finished_rows_leave_the_batch():
     assert rows_seen == sorted(rows_seen, reverse=True)
 
 
-@pytest.mark.parametrize("temperature,total", [(0.0, 8), (1.0, 8), (0.0, 0)])
-def test_one_host_sync_per_cycle_for_the_whole_batch(counted, temperature, total):  # noqa: F811
+@pytest.mark.parametrize("temperature,total,lookup", [(0.0, 8, 0), (1.0, 8, 0), (0.0, 0, 0), (0.0, 8, 4),
+                                                    (1.0, 8, 4)])
+def test_one_host_sync_per_cycle_for_the_whole_batch(counted, temperature, total, lookup):  # noqa: F811
+    """Static shapes (what a GPU runs), a lookup chain included."""
     target = tiny_model("llama", vocab_size=96)
     gen = SpecGenerator(target, NoTokenizer(), untrained_head(target, draft_vocab_size=40), depth=3, top_k=4,
                         total_tokens=total)
@@ -140,7 +161,7 @@ def test_one_host_sync_per_cycle_for_the_whole_batch(counted, temperature, total
         return forward(*args, **kwargs)
 
     gen.backend.forward_rows = spy
-    drafter = BatchHeadDrafter(gen.draft, 3, 4, total, 3, 40) if total else None
+    drafter = batch_drafter(gen.draft, 3, 4, total, 3, 40, lookup) if total else None
     generator = torch.Generator().manual_seed(0) if temperature else None
     counted[0] = 0
     decode_rows(gen.backend, drafter, prompts_of([6, 3, 9], 96), [16, 12, 16], SamplingConfig(temperature, 0.9),
@@ -178,9 +199,11 @@ def test_a_cycle_sends_nothing_to_the_device(monkeypatch, total):
     assert many >= few + 3 * 12 and long == short
 
 
-def test_sampling_per_row_matches_each_prompts_distribution():
-    """Batch of two prompts at temperature 0.8 and top-k 3, trees of depth 2: the first four tokens of each row
-    follow that prompt's exact distribution under the target (chi-square), whatever the other row drew."""
+@pytest.mark.parametrize("lookup,trim", [(0, False), (2, False), (2, True)])
+def test_sampling_per_row_matches_each_prompts_distribution(lookup, trim):
+    """Batch of two prompts at temperature 0.8 and top-k 3, trees of depth 2 (with a prompt-lookup chain of two
+    tokens, static or trimmed): the first four tokens of each row follow that prompt's exact distribution under the
+    target (chi-square), whatever the other row drew."""
     target = tiny_model("llama", vocab_size=5, hidden=16, layers=1, seed=11)
     with torch.no_grad():
         target.lm_head.weight.mul_(0.25)  # a spread-out distribution
@@ -191,7 +214,7 @@ def test_sampling_per_row_matches_each_prompts_distribution():
     counts: list[dict[tuple, int]] = [{}, {}]
     runs, accepted = 1500, 0
     for seed in range(runs):
-        drafter = BatchHeadDrafter(gen.draft, 2, 2, 3, 2, 8)
+        drafter = batch_drafter(gen.draft, 2, 2, 3, 2, 8, lookup, (1,), trim)
         stats = GenerationStats()
         out = decode_rows(gen.backend, drafter, prompts, [4, 4], cfg, gen.eos_ids([]),
                           torch.Generator().manual_seed(seed), stats)

@@ -258,18 +258,20 @@ def test_distill_lm_report_shows_learning_curves_and_the_training_text_nll(tmp_p
 
 
 def test_batching_benchmark_on_a_tiny_target(tmp_path, tiny_target_dir, head_dir):
-    """Each batch size's throughput of the three methods, and every row of ours identical to its own B=1 output."""
+    """Each batch size's throughput of the three methods, and every row of ours (trees with lookup chains) identical
+    to its own B=1 output."""
     out = tmp_path / "batching"
     res = run_module("benchmarks.batching", "--target", str(tiny_target_dir), "--draft", str(head_dir),
-                     "--total-tokens", "4", "--depth", "2", "--batch-sizes", "1,2", "--dtypes", "fp32", "--prompts",
-                     "2", "--max-new-tokens", "6", "--out", str(out))
+                     "--total-tokens", "4", "--depth", "2", "--lookup", "3", "--batch-sizes", "1,2", "--dtypes", "fp32",
+                     "--prompts", "2", "--max-new-tokens", "6", "--out", str(out))
     assert res.returncode == 0, res.stderr
     result = json.loads(out.with_suffix(".json").read_text())
     batches = result["runs"][0]["batches"]
     assert set(batches) == {"1", "2"}
     assert batches["2"]["tree"] == {"depth": 2, "total_tokens": 4}
     assert batches["2"]["rows_identical_to_b1"]["ours"] == 2 and min(batches["2"]["tokens_per_s"].values()) > 0
-    assert out.with_suffix(".png").is_file() and "| 2 | 4 nodes, depth 2 |" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").is_file()
+    assert "| 2 | 4 nodes, depth 2 + lookup 3 |" in out.with_suffix(".md").read_text()
 
 
 def test_headline_names_the_tuned_start_of_adaptive_runs():

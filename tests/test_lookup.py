@@ -10,7 +10,7 @@ import torch
 
 from griffin import DraftConfig, DraftModel, SpecGenerator, autotune
 from griffin.autotune import cut_tree_yield
-from griffin.drafters import PromptLookup
+from griffin.drafters import Context
 from griffin.tree import build_tree, graft
 from griffin.verify import Greedy, follow
 from inference import speed
@@ -54,21 +54,18 @@ def test_graft_from_the_root_and_without_a_match():
 
 
 def test_lookup_copies_what_followed_the_latest_occurrence_of_the_longest_ngram():
-    class Inner:
-        depth, total_tokens = 2, 3
-
-    drafter = PromptLookup(Inner(), tokens=3, capacity=16)
-    drafter._append(torch.tensor([5, 6, 7, 1, 6, 7, 2, 9, 5, 6, 7]))
-    tokens, valid = drafter.lookup()
+    context = Context(capacity=4)  # grows past its capacity
+    context.reset(torch.tensor([5, 6, 7, 1, 6, 7, 2, 9, 5, 6, 7]))
+    tokens, valid = context.lookup(3, [3, 2, 1])
     # "5 6 7" occurs at 0: its successors 1 6 7 beat the later bigram "6 7" at 4 (-> 2 9 5)
     assert tokens.tolist() == [1, 6, 7] and valid.all()
-    drafter.length = 0
-    drafter._append(torch.tensor([4, 8, 3, 8]))
-    tokens, valid = drafter.lookup()  # only the unigram 8 matches; one token follows it before the end
+    context.reset(torch.tensor([4, 8, 3]))
+    context.append(torch.tensor([8]))
+    tokens, valid = context.lookup(3, [3, 2, 1])  # only the unigram 8 matches; one token follows it before the end
     assert tokens[:2].tolist() == [3, 8] and valid.tolist() == [True, True, False]
-    drafter.length = 0
-    drafter._append(torch.tensor([1, 2, 3]))
-    assert not drafter.lookup()[1].any()
+    assert not context.lookup(3, [3, 2])[1].any()  # no bigram repeats
+    context.reset(torch.tensor([1, 2, 3]))
+    assert not context.lookup(3, [3, 2, 1])[1].any()
 
 
 def generator(lookup: int) -> SpecGenerator:
@@ -173,3 +170,22 @@ def test_the_tree_is_tuned_with_the_chain_and_apart_from_the_tree_without_it(tmp
     # another process tuning the same band rewrites the cache: a run reports the choice its generator took
     record.write_text(json.dumps(choice | {"reason": "another process's choice"}))
     assert gen.tunings[0.0]["reason"] == choice["reason"] == speed.tuning_summary(gen, 0.0)["reason"]
+
+
+def test_batched_grafted_trees_follow_as_each_row_alone():
+    """Rows with and without a chain, stacked into one batched tree: :func:`griffin.batch.follow_rows` takes each
+    row's path as :func:`griffin.verify.follow` takes it alone, and never enters a padding node."""
+    from griffin.batch import follow_rows, row_tree, stack_trees
+
+    tree = small_tree()
+    fresh = graft(tree, torch.tensor([6, 1, 3]), torch.ones(3, dtype=torch.bool))
+    none = graft(tree, torch.tensor([6, 1, 3]), torch.zeros(3, dtype=torch.bool))
+    batch = stack_trees([none, fresh, none])
+    choice = torch.tensor([6, 0, 0, 0, 0, 1, 3, 0]).repeat(3, 1)
+    path, length, bonus = follow_rows(batch, choice)
+    assert length.tolist() == [0, 3, 0] and bonus.tolist() == [6, 0, 6]
+    for b, alone in enumerate((none, fresh, none)):
+        assert torch.equal(row_tree(batch, b).ancestors, alone.ancestors)
+        acceptance = follow(alone, choice[b])
+        assert int(acceptance.length) == int(length[b])
+        assert path[b, : int(length[b]) + 1].tolist() == acceptance.path[: int(length[b]) + 1].tolist()
