@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from .backend import TargetBackend
 from .decode import GenerationStats
 from .draft import DraftModel, DraftOutput
-from .drafters import MAX_CONTEXT_VOCAB, NGRAMS, TRIMMED_NGRAMS, Context, tree_nodes
+from .drafters import MAX_CONTEXT_VOCAB, Context, lookup_ngrams, tree_nodes
 from .kv_cache import BufferCache, DraftCache, RowsCache, move_entries
 from .plain import plain_rows_step
 from .sampling import SamplingConfig, greedy, sample, warp
@@ -229,10 +229,7 @@ class BatchPromptLookup:
 
     def __init__(self, inner: BatchHeadDrafter, tokens: int, capacity: int, ngrams: tuple[int, ...] | None = None,
                  trim: bool = False):
-        ngrams = (TRIMMED_NGRAMS if trim else NGRAMS) if ngrams is None else ngrams
-        if tokens < 1 or not ngrams or min(ngrams) < 1:
-            raise ValueError("prompt lookup needs tokens >= 1 and n-gram sizes >= 1")
-        self.inner, self.tokens, self.ngrams, self.trim = inner, tokens, sorted(set(ngrams), reverse=True), trim
+        self.inner, self.tokens, self.ngrams, self.trim = inner, tokens, lookup_ngrams(tokens, ngrams, trim), trim
         self.capacity = capacity
         self.depth = max(inner.depth, tokens)
         self.total_tokens = inner.total_tokens + tokens

@@ -110,6 +110,15 @@ class NoDraft:
         pass
 
 
+def lookup_ngrams(tokens: int, ngrams: tuple[int, ...] | None, trim: bool) -> list[int]:
+    """A prompt-lookup chain's n-gram sizes, longest first (None: the default for static or trimmed chains), checked
+    with its ``tokens``."""
+    ngrams = (TRIMMED_NGRAMS if trim else NGRAMS) if ngrams is None else ngrams
+    if tokens < 1 or not ngrams or min(ngrams) < 1:
+        raise ValueError("prompt lookup needs tokens >= 1 and n-gram sizes >= 1")
+    return sorted(set(ngrams), reverse=True)
+
+
 class PromptLookup:
     """Another drafter's tree plus a chain of ``tokens`` context tokens: those that followed the latest earlier
     occurrence of the context's last n-gram (the longest n in ``ngrams`` that occurs), grafted below the tree's node
@@ -124,10 +133,7 @@ class PromptLookup:
     single token almost always occurs earlier, and what follows it rarely repeats)."""
 
     def __init__(self, inner, tokens: int, capacity: int, ngrams: tuple[int, ...] | None = None, trim: bool = False):
-        ngrams = (TRIMMED_NGRAMS if trim else NGRAMS) if ngrams is None else ngrams
-        if tokens < 1 or not ngrams or min(ngrams) < 1:
-            raise ValueError("prompt lookup needs tokens >= 1 and n-gram sizes >= 1")
-        self.inner, self.tokens, self.ngrams, self.trim = inner, tokens, sorted(set(ngrams), reverse=True), trim
+        self.inner, self.tokens, self.ngrams, self.trim = inner, tokens, lookup_ngrams(tokens, ngrams, trim), trim
         self._shape()
         self.context = Context(capacity)
 

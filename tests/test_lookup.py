@@ -10,7 +10,7 @@ import torch
 
 from griffin import DraftConfig, DraftModel, SpecGenerator, autotune
 from griffin.autotune import cut_tree_yield
-from griffin.drafters import Context
+from griffin.drafters import Context, PromptLookup, lookup_ngrams
 from griffin.tree import build_tree, graft
 from griffin.verify import Greedy, follow
 from inference import speed
@@ -189,3 +189,14 @@ def test_batched_grafted_trees_follow_as_each_row_alone():
         acceptance = follow(alone, choice[b])
         assert int(acceptance.length) == int(length[b])
         assert path[b, : int(length[b]) + 1].tolist() == acceptance.path[: int(length[b]) + 1].tolist()
+
+
+@pytest.mark.parametrize("tokens,ngrams", [(0, None), (3, ()), (3, (2, 0))])
+def test_lookup_settings_are_checked_for_one_row_and_batches(tokens, ngrams):
+    from griffin.batch import BatchPromptLookup
+    from griffin.drafters import NoDraft
+
+    for build in (PromptLookup, BatchPromptLookup):
+        with pytest.raises(ValueError, match="prompt lookup needs tokens >= 1 and n-gram sizes >= 1"):
+            build(NoDraft(), tokens, 16, ngrams)
+    assert lookup_ngrams(3, None, trim=True) == [3, 2] and lookup_ngrams(3, (1, 3, 3), trim=False) == [3, 1]
