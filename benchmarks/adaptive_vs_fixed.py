@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     warm = gens["plain"].encode([{"role": "user", "content": "Hello"}])
     for gen in gens.values():  # first calls' one-time costs (and the adaptive generator's tuning) untimed
         gen.generate(warm, max_new_tokens=8)
-    tuning = gens["adaptive"].tunings.get(0.0) or {}
+    tuning = gens["adaptive"].tuning(0.0) or {}
     costs = shape_costs(tuning)
 
     def record(name: str, result) -> dict:

@@ -271,6 +271,11 @@ class SpecGenerator:
         self._retuned.add(band)
         self._band = band
 
+    def tuning(self, temperature: float) -> dict | None:
+        """The tuning record of the tree this generator uses at ``temperature``'s band, as it took it (None: a fixed
+        tree, or a band not tuned yet)."""
+        return self.tunings.get(temperature_band(temperature)) if self.autotuned else None
+
     # --- inputs --------------------------------------------------------------------------------------------------
 
     def encode(self, inputs) -> torch.Tensor:

@@ -57,14 +57,12 @@ def measured_gain(record: dict | None) -> float:
 def choose_lookup(gen, temperature: float, retune: bool) -> None:
     """Tune the tree for ``temperature`` with no chain and with a chain of :data:`LOOKUP` tokens (each cached) and
     keep the one whose choice measured faster against the plain loop."""
-    from griffin.autotune import temperature_band
-
     gains = {}
     for lookup in (0, LOOKUP):
         gen.lookup = lookup
         gen.follow_temperature(retune)
         gen.tune_for(temperature)
-        gains[lookup] = measured_gain(gen.tunings.get(temperature_band(temperature)))
+        gains[lookup] = measured_gain(gen.tuning(temperature))
     gen.lookup = max(gains, key=gains.get)
     gen.follow_temperature()
     gen.tune_for(temperature)
@@ -72,9 +70,9 @@ def choose_lookup(gen, temperature: float, retune: bool) -> None:
 
 def configuration_line(gen, temperature: float) -> str:
     """What the demo runs and why, in one line."""
-    from griffin.autotune import describe, temperature_band
+    from griffin.autotune import describe
 
-    record = gen.tunings.get(temperature_band(temperature)) if gen.autotuned else None
+    record = gen.tuning(temperature)
     if record is None:
         what = "no tree" if gen.total_tokens == 0 else f"a fixed tree of {gen.total_tokens} nodes, depth {gen.depth}"
         return f"configuration: {what}{f' + lookup {gen.lookup}' if gen.lookup else ''} (set on the command line)"

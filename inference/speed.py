@@ -78,7 +78,6 @@ if __name__ == "__main__":  # --help and usage errors answer here, before torch 
 import torch
 
 from griffin import SpecGenerator
-from griffin.autotune import temperature_band
 from griffin.chat_template import prompt_ids
 from griffin.io import atomic_write_json, atomic_write_text, read_journal, weights_digest
 from griffin.plain import plain_generate
@@ -149,7 +148,7 @@ def question_records(runner: Runner, question: dict, bench: str, seed: int) -> l
 def tuning_summary(gen: SpecGenerator, temperature: float) -> dict | None:
     """Why the run's tree is what it is: the tuner's record for its temperature band, as the generator took it (None
     for a fixed tree)."""
-    record = gen.tunings.get(temperature_band(temperature)) if gen.autotuned else None
+    record = gen.tuning(temperature)
     keys = ("temperature", "reason", "expected_tau", "expected_speedup", "measured_s_per_token", "tuned_at")
     return {k: record[k] for k in keys if k in record} if record else None
 
