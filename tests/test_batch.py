@@ -10,6 +10,7 @@ from griffin import SpecGenerator
 from griffin.autotune import PLAIN, autotune_batch
 from griffin.batch import BatchHeadDrafter, batch_drafter, build_trees, decode_rows
 from griffin.decode import GenerationStats
+from griffin.kv_cache import move_entries
 from griffin.sampling import SamplingConfig
 from tests.conftest import pooled_chisquare, tiny_model
 from tests.test_engine import counted  # noqa: F401 - a fixture
@@ -297,3 +298,16 @@ def test_rows_identical_to_their_own_generation_on_the_embedded_target(embedded)
         assert result.tokens == [o[p.shape[0] :].tolist() for o, p in zip(own[:rows], ids, strict=False)], rows
         accepted += result.stats.new_tokens - result.stats.cycles - rows
     assert accepted > 15  # the trained head's drafts were accepted
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 12, 4), (5, 2, 2, 3, 12, 4)])  # a draft cache; all target layers' K and V
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_move_entries_moves_each_rows_own_slots_reading_all_before_writing(shape, dtype):
+    """Overlapping moves (slot 7 -> 6 while 6 -> 5) read the old entries; other slots and rows stay as they were."""
+    buf = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    source, target = torch.tensor([[6, 7, 9], [8, 10, 11]]), torch.tensor([[5, 6, 7], [2, 3, 4]])
+    expected = buf.clone()
+    for b in range(2):
+        expected[..., b, :, target[b], :] = buf[..., b, :, source[b], :]
+    move_entries(buf, source, target)
+    assert torch.equal(buf, expected)
