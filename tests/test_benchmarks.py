@@ -274,6 +274,21 @@ def test_batching_benchmark_on_a_tiny_target(tmp_path, tiny_target_dir, head_dir
     assert "| 2 | 4 nodes, depth 2 + lookup 3 |" in out.with_suffix(".md").read_text()
 
 
+def test_batching_verdict_names_where_speculation_paid_and_where_it_stopped():
+    from benchmarks.batching import verdict
+
+    def run(*sizes: tuple[int, int, float]) -> dict:  # (B, tree nodes, speedup)
+        return {"batches": {str(b): {"tree": {"total_tokens": n}, "speedup": x} for b, n, x in sizes}}
+
+    assert verdict(run((1, 12, 1.3), (2, 6, 1.2), (4, 0, 1.0))) == (
+        "Speculation paid (a tree, above 1.0x) at batch 1, 2; the tuner kept no tree at batch 4 (ours is then the "
+        "plain loop: its ratio to the plain baselines is measurement noise); from batch 4 on it stopped paying.")
+    assert verdict(run((1, 12, 1.3), (2, 0, 1.1), (4, 2, 1.05), (8, 1, 0.97))).endswith(
+        "from batch 8 on it stopped paying.")  # not "from batch 2": it paid again at 4
+    assert verdict(run((1, 4, 1.2), (2, 4, 1.1))).endswith("at batch 1, 2; it paid at every batch size measured.")
+    assert verdict(run((1, 0, 1.02), (2, 0, 0.9))).startswith("Speculation paid at no batch size; the tuner kept")
+
+
 def test_headline_names_the_tuned_start_of_adaptive_runs():
     from benchmarks.headline import tree_cell
 
