@@ -207,20 +207,6 @@ class BatchHeadDrafter:
         self.cache.length = max(self.lengths)
 
 
-def row_tree(trees: Tree, b: int) -> Tree:
-    """Row ``b`` of trees with a leading row axis, as a one-row :class:`Tree`."""
-    return Tree(trees.tokens[b], trees.parents[b], trees.depths[b], trees.ancestors[b], trees.draft_order[b],
-                trees.max_depth, None if trees.valid is None else trees.valid[b], None, trees.grafted)
-
-
-def stack_trees(trees: list[Tree]) -> Tree:
-    """One-row trees of one size -> a :class:`Tree` whose fields have a leading row axis."""
-    valid = [t.valid if t.valid is not None else torch.ones_like(t.tokens, dtype=torch.bool) for t in trees]
-    return Tree(*(torch.stack([getattr(t, f) for t in trees]) for f in ("tokens", "parents", "depths", "ancestors",
-                                                                         "draft_order")),
-                max(t.max_depth for t in trees), torch.stack(valid), None, trees[0].grafted)
-
-
 class BatchPromptLookup:
     """:class:`griffin.drafters.PromptLookup` for B rows: each row's chain is copied from its own context and grafted
     onto its own tree (:func:`griffin.tree.graft`). The rows' trees keep one shape: a chain of ``tokens`` nodes in
@@ -250,7 +236,7 @@ class BatchPromptLookup:
             if real == 0:
                 return trees
             chains, valid = chains[:, :real], valid[:, :real]
-        return stack_trees([graft(row_tree(trees, b), chains[b], valid[b]) for b in range(roots.shape[0])])
+        return graft(trees, chains, valid)  # each row's chain onto its own tree
 
     def accept(self, tokens: torch.Tensor, hidden: torch.Tensor, counts: list[int], device_counts: torch.Tensor
                ) -> None:

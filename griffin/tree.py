@@ -162,28 +162,32 @@ def graft(tree: Tree, tokens: torch.Tensor, valid: torch.Tensor) -> Tree:
     """``tree`` with a chain of K tokens [K] added below its deepest node whose path from the root spells the chain's
     first tokens, so that no two siblings carry the same token. ``valid`` [K] bool marks the chain's real tokens (a
     prefix: a chain that runs out is padded); chain tokens already in the tree, and padding, become padding nodes.
-    Static shapes (``tree.size + K`` nodes, depth ``max(tree.max_depth, K)``), no host sync."""
+    Static shapes (``tree.size + K`` nodes, depth ``max(tree.max_depth, K)``), no host sync. A batch of trees (fields
+    with a leading row axis, :mod:`griffin.batch`) takes chains [B, K], each row's onto its own tree."""
     if tree.q is not None:
         raise ValueError("a chain can only be grafted onto a tree of deterministic drafts (tree.q is set)")
     device = tokens.device
-    n1, k = tree.size, tokens.shape[0]
-    real = tree.valid if tree.valid is not None else torch.ones(n1, dtype=torch.bool, device=device)
+    n1, k = tree.size, tokens.shape[-1]
+    lead = tokens.shape[:-1]  # () for one tree, (B,) for a batch
+    real = tree.valid if tree.valid is not None else torch.ones_like(tree.tokens, dtype=torch.bool)
     level = (tree.depths - 1).clamp(0, k - 1)  # the chain token each node would have to equal
-    spells = (tree.tokens == tokens[level]) & valid[level] & (tree.depths <= k) & real
-    spells[0] = True
-    on_chain = ~(tree.ancestors & ~spells[None, :]).any(dim=1)  # [N+1] the node and all its ancestors spell it
-    stem = torch.where(on_chain, tree.depths, -1).argmax()  # the deepest such node; 0-dim
-    first = tree.depths[stem]  # chain tokens before this one are in the tree already
+    spells = (tree.tokens == tokens.gather(-1, level)) & valid.gather(-1, level) & (tree.depths <= k) & real
+    spells[..., 0] = True
+    on_chain = ~(tree.ancestors & ~spells[..., None, :]).any(dim=-1)  # [.., N+1] the node and its ancestors spell it
+    stem = torch.where(on_chain, tree.depths, -1).argmax(dim=-1, keepdim=True)  # [.., 1] the deepest such node
+    first = tree.depths.gather(-1, stem)  # [.., 1] chain tokens before this one are in the tree already
     j = torch.arange(k, device=device)
-    new = valid & (j >= first)  # [K] chain nodes that join the tree
+    new = valid & (j >= first)  # [.., K] chain nodes that join the tree
     parents = torch.where(new, torch.where(j == first, stem, n1 + j - 1), 0)
     depths = torch.where(new, j + 1, 1)
-    ancestors = torch.zeros(n1 + k, n1 + k, dtype=torch.bool, device=device)
-    ancestors[:n1, :n1] = tree.ancestors
-    ancestors[n1:, :n1] = tree.ancestors[stem][None, :] & new[:, None]
-    ancestors[n1:, n1:] = (j[None, :] <= j[:, None]) & (j[None, :] >= first) & new[:, None]
-    ancestors[n1:, 0] = True
-    ancestors[n1 + j, n1 + j] = True
-    return Tree(torch.cat((tree.tokens, tokens)), torch.cat((tree.parents, parents)),
-                torch.cat((tree.depths, depths)), ancestors, torch.cat((tree.draft_order, n1 + j)),
-                max(tree.max_depth, k), torch.cat((real, new)), grafted=k)
+    stem_line = tree.ancestors.gather(-2, stem[..., None].expand(*lead, 1, n1))  # [.., 1, N+1] the stem's ancestors
+    ancestors = torch.zeros(*lead, n1 + k, n1 + k, dtype=torch.bool, device=device)
+    ancestors[..., :n1, :n1] = tree.ancestors
+    ancestors[..., n1:, :n1] = stem_line & new[..., :, None]
+    ancestors[..., n1:, n1:] = (j[None, :] <= j[:, None]) & (j[None, :] >= first[..., None]) & new[..., :, None]
+    ancestors[..., n1:, 0] = True
+    ancestors[..., n1 + j, n1 + j] = True
+    return Tree(torch.cat((tree.tokens, tokens), dim=-1), torch.cat((tree.parents, parents), dim=-1),
+                torch.cat((tree.depths, depths), dim=-1), ancestors,
+                torch.cat((tree.draft_order, (n1 + j).expand(*lead, k)), dim=-1),
+                max(tree.max_depth, k), torch.cat((real, new), dim=-1), grafted=k)

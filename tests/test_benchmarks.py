@@ -274,6 +274,18 @@ def test_batching_benchmark_on_a_tiny_target(tmp_path, tiny_target_dir, head_dir
     assert "| 2 | 4 nodes, depth 2 + lookup 3 |" in out.with_suffix(".md").read_text()
 
 
+def test_pass_cost_study_on_a_tiny_target(tmp_path, tiny_target_dir, head_dir):
+    """The pass over n tokens per row as a multiple of the one-token pass, per batch size and dtype."""
+    out = tmp_path / "pass-cost"
+    res = run_module("benchmarks.pass_cost", "--target", str(tiny_target_dir), "--draft", str(head_dir),
+                     "--batch-sizes", "1,2", "--tokens", "1,4", "--dtypes", "fp32", "--repeats", "2", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    batches = json.loads(out.with_suffix(".json").read_text())["runs"][0]["batches"]
+    assert set(batches) == {"1", "2"} and all(set(r["pass_s"]) == {"1", "4"} for r in batches.values())
+    assert all(s > 0 for r in batches.values() for s in [*r["pass_s"].values(), r["draft_level_s"]])
+    assert "| 2 | " in out.with_suffix(".md").read_text()
+
+
 def test_batching_verdict_names_where_speculation_paid_and_where_it_stopped():
     from benchmarks.batching import verdict
 

@@ -11,7 +11,7 @@ import torch
 from griffin import DraftConfig, DraftModel, SpecGenerator, autotune
 from griffin.autotune import cut_tree_yield
 from griffin.drafters import Context, PromptLookup, lookup_ngrams
-from griffin.tree import build_tree, graft
+from griffin.tree import Tree, build_tree, graft
 from griffin.verify import Greedy, follow
 from inference import speed
 from tests.conftest import tiny_model
@@ -173,19 +173,26 @@ def test_the_tree_is_tuned_with_the_chain_and_apart_from_the_tree_without_it(tmp
 
 
 def test_batched_grafted_trees_follow_as_each_row_alone():
-    """Rows with and without a chain, stacked into one batched tree: :func:`griffin.batch.follow_rows` takes each
-    row's path as :func:`griffin.verify.follow` takes it alone, and never enters a padding node."""
-    from griffin.batch import follow_rows, row_tree, stack_trees
+    """Rows with and without a chain, grafted onto a batch of trees at once, equal each row grafted alone, and
+    :func:`griffin.batch.follow_rows` takes each row's path as :func:`griffin.verify.follow` takes it alone, never
+    entering a padding node."""
+    from dataclasses import fields
+
+    from griffin.batch import follow_rows
 
     tree = small_tree()
-    fresh = graft(tree, torch.tensor([6, 1, 3]), torch.ones(3, dtype=torch.bool))
-    none = graft(tree, torch.tensor([6, 1, 3]), torch.zeros(3, dtype=torch.bool))
-    batch = stack_trees([none, fresh, none])
+    stacked = Tree(*(torch.stack([getattr(tree, f.name)] * 3) if isinstance(getattr(tree, f.name), torch.Tensor)
+                     else getattr(tree, f.name) for f in fields(Tree)))
+    chains, valid = torch.tensor([6, 1, 3]).repeat(3, 1), torch.tensor([[False] * 3, [True] * 3, [False] * 3])
+    batch = graft(stacked, chains, valid)
+    rows = [graft(tree, chains[b], valid[b]) for b in range(3)]
+    for b, alone in enumerate(rows):
+        for f in ("tokens", "parents", "depths", "ancestors", "draft_order", "valid"):
+            assert torch.equal(getattr(batch, f)[b], getattr(alone, f)), f
     choice = torch.tensor([6, 0, 0, 0, 0, 1, 3, 0]).repeat(3, 1)
     path, length, bonus = follow_rows(batch, choice)
     assert length.tolist() == [0, 3, 0] and bonus.tolist() == [6, 0, 6]
-    for b, alone in enumerate((none, fresh, none)):
-        assert torch.equal(row_tree(batch, b).ancestors, alone.ancestors)
+    for b, alone in enumerate(rows):
         acceptance = follow(alone, choice[b])
         assert int(acceptance.length) == int(length[b])
         assert path[b, : int(length[b]) + 1].tolist() == acceptance.path[: int(length[b]) + 1].tolist()
