@@ -54,17 +54,17 @@ def markdown(result: dict) -> str:
     tokens = result["tokens"]
     lines = [f"# Target pass cost per batch size · {result['target']}\n",
              "One target pass over n new tokens in each of B rows after 128 cached ones, as a multiple of the pass "
-             "over one token per row (plain decoding's step at that batch size); in brackets the one-token pass in ms "
-             "and one level of the head drafting B trees. A tree of n−1 nodes per row pays only where its pass "
+             "over one token per row (plain decoding's step at that batch size, its ms in the second column; the "
+             "third: one level of the head drafting B trees). A tree of n−1 nodes per row pays only where its pass "
              "multiple stays well under the tokens a cycle accepts per row (τ).\n"]
     for run in result["runs"]:
         rows = []
         for b, r in run["batches"].items():
             one = r["pass_s"]["1"]
             rows.append([b, f"{one * 1e3:.0f} ms", f"{r['draft_level_s'] * 1e3:.1f} ms",
-                         *(f"{r['pass_s'][str(n)] / one:.2f}x" for n in tokens)])
+                         *(f"{r['pass_s'][str(n)] / one:.2f}x" for n in tokens if n > 1)])
         lines += [f"## {run['dtype']}\n", markdown_table(
-            ["B", "1 token/row", "draft level", *(f"{n} tokens/row" for n in tokens)], rows)]
+            ["B", "1 token/row", "draft level", *(f"{n} tokens/row" for n in tokens if n > 1)], rows)]
     lines += [f"Command: `{result['command']}`\n", f"Machine: {machine_text(result['machine'])}; load average "
               f"{result['machine']['load_average_1m']} when written.\n"]
     return "\n".join(lines)
