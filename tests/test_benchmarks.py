@@ -270,6 +270,8 @@ def test_batching_benchmark_on_a_tiny_target(tmp_path, tiny_target_dir, head_dir
     assert set(batches) == {"1", "2"}
     assert batches["2"]["tree"] == {"depth": 2, "total_tokens": 4}
     assert batches["2"]["rows_identical_to_b1"]["ours"] == 2 and min(batches["2"]["tokens_per_s"].values()) > 0
+    assert batches["1"]["group_speedup"]["groups"] == 2 and batches["1"]["group_speedup"]["se"] is not None
+    assert batches["2"]["group_speedup"] | {"mean": 0} == {"mean": 0, "se": None, "groups": 1}
     assert out.with_suffix(".png").is_file()
     assert "| 2 | 4 nodes, depth 2 + lookup 3 |" in out.with_suffix(".md").read_text()
 
