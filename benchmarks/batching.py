@@ -40,7 +40,7 @@ def sizes(text: str) -> list[int]:
         values = []
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
-    return values
+    return sorted(set(values))
 
 
 def dtypes(text: str) -> list[str]:
@@ -61,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--depth", type=positive_int, default=5, help="tree depth with a fixed --total-tokens")
     p.add_argument("--lookup", type=int, default=10,
                    help="prompt-lookup chain of each row's tree, as the headline runs use it (0: none)")
-    p.add_argument("--batch-sizes", type=sizes, default=[1, 2, 4, 8, 16])
+    p.add_argument("--batch-sizes", type=sizes, default=[1, 2, 4, 8, 16],
+                   help="rows are checked against batch 1's outputs when 1 is among them")
     p.add_argument("--dtypes", type=dtypes, default=["fp32", "bf16"])
     p.add_argument("--prompts", type=positive_int, default=16, help="MT-Bench first turns (a multiple of each B)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
@@ -153,16 +154,16 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> dict:
         tokens = {m: sum(len(t) for t in outputs[m]) for m in runs}
         rate = {m: tokens[m] / seconds[m] for m in runs}
         fastest = max(("generate", "plain loop"), key=rate.get)
-        reference = single or outputs
+        reference = single or (outputs if b == 1 else None)  # no B=1 run: nothing to compare with
+
         results["batches"][str(b)] = {
             "tree": {"depth": trees[b][0], "total_tokens": trees[b][1]}, "tuner_reason": reasons[b],
             "tokens": tokens, "seconds": seconds, "tokens_per_s": rate,
             "fastest_plain": fastest, "speedup": rate["ours"] / rate[fastest],
             "group_speedup": spread([o / f for o, f in zip(group_rates["ours"], group_rates[fastest], strict=True)]),
-            "rows_identical_to_b1": {m: sum(x == y for x, y in zip(outputs[m], reference[m], strict=True))
-                                     for m in runs},
-            "ours_identical_to_generate_b1": sum(x == y for x, y in zip(outputs["ours"], reference["generate"],
-                                                                        strict=True)),
+            "rows_identical_to_b1": None if reference is None else {m: same(outputs[m], reference[m]) for m in runs},
+            "ours_identical_to_generate_b1": None if reference is None else same(outputs["ours"],
+                                                                                  reference["generate"]),
             "rows": len(prompts)}
         print(f"{dtype} B={b}: " + ", ".join(f"{m} {r:.1f} tok/s" for m, r in rate.items())
               + f"; speedup {rate['ours'] / rate[fastest]:.2f}x", flush=True)
@@ -191,6 +192,11 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def same(rows: list[list[int]], reference: list[list[int]]) -> int:
+    """How many rows equal their reference row."""
+    return sum(x == y for x, y in zip(rows, reference, strict=True))
 
 
 def spread(ratios: list[float]) -> dict:
@@ -244,7 +250,7 @@ def markdown(result: dict, png: str) -> str:
                              if r["tree"]["total_tokens"] else "no tree"), f"{rate['ours']:.1f}",
                          f"{rate['generate']:.1f}", f"{rate['plain loop']:.1f}",
                          f"**{r['speedup']:.2f}x** ({r['fastest_plain']}){per_group(r)}",
-                         f"{same['ours']}/{r['rows']}", f"{same['generate']}/{r['rows']}"])
+                         *((f"{same['ours']}/{r['rows']}", f"{same['generate']}/{r['rows']}") if same else ("-", "-"))])
         lines += [f"## {run['dtype']}\n", markdown_table(
             ["B", "tree (tuned for B)", "ours tok/s", "generate tok/s", "plain loop tok/s", "speedup vs fastest plain",
              "ours identical", "generate identical"], rows)]

@@ -272,6 +272,13 @@ def test_batching_benchmark_on_a_tiny_target(tmp_path, tiny_target_dir, head_dir
     assert batches["2"]["rows_identical_to_b1"]["ours"] == 2 and min(batches["2"]["tokens_per_s"].values()) > 0
     assert batches["1"]["group_speedup"]["groups"] == 2 and batches["1"]["group_speedup"]["se"] is not None
     assert batches["2"]["group_speedup"] | {"mean": 0} == {"mean": 0, "se": None, "groups": 1}
+    alone = tmp_path / "batch-2-only"  # without batch 1 there is nothing to check rows against
+    res = run_module("benchmarks.batching", "--target", str(tiny_target_dir), "--draft", str(head_dir),
+                     "--total-tokens", "4", "--depth", "2", "--lookup", "3", "--batch-sizes", "2", "--dtypes", "fp32",
+                     "--prompts", "2", "--max-new-tokens", "6", "--out", str(alone))
+    assert res.returncode == 0, res.stderr
+    assert json.loads(alone.with_suffix(".json").read_text())["runs"][0]["batches"]["2"]["rows_identical_to_b1"] is None
+    assert "| - | - |" in alone.with_suffix(".md").read_text()
     assert out.with_suffix(".png").is_file()
     assert "| 2 | 4 nodes, depth 2 + lookup 3 |" in out.with_suffix(".md").read_text()
 
