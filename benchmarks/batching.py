@@ -244,13 +244,14 @@ def markdown(result: dict, png: str) -> str:
     for run in result["runs"]:
         rows = []
         for b, r in run["batches"].items():
-            rate, same = r["tokens_per_s"], r["rows_identical_to_b1"]
+            rate, identical = r["tokens_per_s"], r["rows_identical_to_b1"]
             chain = f" + lookup {run['lookup']}" if run.get("lookup") else ""
             rows.append([b, (f"{r['tree']['total_tokens']} nodes, depth {r['tree']['depth']}{chain}"
                              if r["tree"]["total_tokens"] else "no tree"), f"{rate['ours']:.1f}",
                          f"{rate['generate']:.1f}", f"{rate['plain loop']:.1f}",
                          f"**{r['speedup']:.2f}x** ({r['fastest_plain']}){per_group(r)}",
-                         *((f"{same['ours']}/{r['rows']}", f"{same['generate']}/{r['rows']}") if same else ("-", "-"))])
+                         *((f"{identical['ours']}/{r['rows']}", f"{identical['generate']}/{r['rows']}") if identical
+                           else ("-", "-"))])
         lines += [f"## {run['dtype']}\n", markdown_table(
             ["B", "tree (tuned for B)", "ours tok/s", "generate tok/s", "plain loop tok/s", "speedup vs fastest plain",
              "ours identical", "generate identical"], rows)]
