@@ -39,13 +39,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def measure(args: argparse.Namespace, dtype: str) -> dict:
     from griffin import SpecGenerator
-    from griffin.autotune import _draft_level_rows, forward_cost_rows
+    from griffin.autotune import draft_level_rows, forward_cost_rows
 
     gen = SpecGenerator.from_pretrained(args.target, args.draft, dtype=dtype, total_tokens=1, depth=1)
     out = {}
     for b in args.batch_sizes:
         cost = forward_cost_rows(gen, b, sorted(set(args.tokens) | {1}), repeats=args.repeats)
-        out[str(b)] = {"pass_s": {str(n): s for n, s in cost.items()}, "draft_level_s": _draft_level_rows(gen, b)}
+        out[str(b)] = {"pass_s": {str(n): s for n, s in cost.items()}, "draft_level_s": draft_level_rows(gen, b)}
         print(f"{dtype} B={b}: " + ", ".join(f"{n} tok/row {s * 1e3:.0f} ms" for n, s in cost.items()), flush=True)
     return {"dtype": dtype, "batches": out}
 

@@ -592,7 +592,7 @@ def tune_batch(gen, rows: int, temperature: float = 0.0) -> dict:
         running = 0.0
         for n in sorted(costs):
             running = costs[n] = max(costs[n], running)
-        level = _draft_level_rows(gen, rows)
+        level = draft_level_rows(gen, rows)
         overhead = record.get("cycle_overhead_s", 0.0)
         for r in table:
             if _nodes(r) <= max(costs):
@@ -639,7 +639,7 @@ def tune_batch(gen, rows: int, temperature: float = 0.0) -> dict:
 
 
 @torch.inference_mode()
-def _draft_level_rows(gen, rows: int, repeats: int = 3) -> float:
+def draft_level_rows(gen, rows: int, repeats: int = 3) -> float:
     """Median seconds per level of the head drafting trees for ``rows`` rows at once (:data:`MAX_DEPTH` levels)."""
     context = 64
     drafter = BatchHeadDrafter(gen.draft, MAX_DEPTH, gen.top_k, MAX_TOTAL, rows, context + 1)

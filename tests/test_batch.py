@@ -263,7 +263,7 @@ def test_the_tuner_picks_the_tree_per_batch_size_down_to_no_tree(tmp_path, monke
     monkeypatch.setattr("griffin.autotune.tuning_record", lambda gen, temperature: record)
     monkeypatch.setattr("griffin.autotune.forward_cost_rows",
                         lambda gen, rows, sizes, **kw: {n: 1.0 if n == 1 else tree_cost for n in sizes})
-    monkeypatch.setattr("griffin.autotune._draft_level_rows", lambda gen, rows: 0.0)
+    monkeypatch.setattr("griffin.autotune.draft_level_rows", lambda gen, rows: 0.0)
     tau = {(3, 10): 1.6, (1, 2): 1.2, PLAIN: 1.0}  # seconds per token: the plain step's over each tree's tau
 
     def measured(gen, prompts, tree, max_new_tokens, temperature, seed):
