@@ -119,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="", help="appended to the result file's name (engine-<gpu>-<tag>)")
     p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--table", metavar="FILE.json",
+                   help="only write FILE.md from a result file (one brought back from a GPU machine as JSON alone)")
     args = p.parse_args(argv)
     args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in args.shapes if s not in SHAPES]
@@ -569,9 +571,20 @@ def table(result: dict) -> str:
     return intro + "".join(shape_table(r) for r in result["shapes"].values())
 
 
+def write_table(path: Path, markdown: Callable[[dict], str]) -> int:
+    """``path``'s markdown beside it (``.md``), made from the result file ``path``."""
+    if not path.is_file():
+        raise ValueError(f"--table {path}: no such file")
+    atomic_write_text(path.with_suffix(".md"), markdown(json.loads(path.read_text())))
+    print(f"wrote {path.with_suffix('.md')}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.argv = argv
+    if args.table:
+        return write_table(Path(args.table), table)
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but torch sees no CUDA GPU")

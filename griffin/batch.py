@@ -249,6 +249,40 @@ class BatchPromptLookup:
         self.inner.select(rows)
 
 
+class BatchOracle:
+    """:class:`griffin.drafters.OracleDrafter` in chain mode for B rows: row b proposes the next ``tokens`` tokens of
+    ``continuations[b]`` (what a reference run of that row produced), padded where the reference runs out. Measures
+    the batched engine's ceiling: a chain of K tokens per row accepts K+1 tokens per cycle wherever the target agrees
+    with its reference."""
+
+    def __init__(self, continuations: list[list[int]], tokens: int):
+        self.continuations, self.depth = continuations, tokens
+        self.total_tokens = tokens
+        self.rows: list[int] = []  # the reference of each row still in the batch
+        self.done: list[int] = []  # reference tokens each row has emitted, on the host
+
+    def start(self, prompts: list[torch.Tensor], hidden: list[torch.Tensor], tokens: torch.Tensor) -> None:
+        if len(prompts) != len(self.continuations):
+            raise ValueError("a row finished at its first token: give the oracle budgets above 1 and no EOS")
+        self.rows, self.done = list(range(len(prompts))), [1] * len(prompts)
+
+    def propose(self, roots: torch.Tensor) -> Tree:
+        k, device = self.depth, roots.device
+        found = [self.continuations[r][n : n + k] for r, n in zip(self.rows, self.done, strict=True)]
+        chains = torch.tensor([c + [0] * (k - len(c)) for c in found], device=device)  # [B, K]
+        valid = torch.arange(k, device=device)[None, :] < torch.tensor([len(c) for c in found], device=device)[:, None]
+        zeros = torch.zeros_like(roots)[:, None]
+        roots_only = Tree(roots[:, None], zeros, zeros, torch.ones_like(zeros, dtype=torch.bool)[..., None], zeros, 0)
+        return graft(roots_only, chains, valid)
+
+    def accept(self, tokens: torch.Tensor, hidden: torch.Tensor, counts: list[int], device_counts: torch.Tensor
+               ) -> None:
+        self.done = [n + c for n, c in zip(self.done, counts, strict=True)]
+
+    def select(self, rows: list[int]) -> None:
+        self.rows, self.done = [self.rows[r] for r in rows], [self.done[r] for r in rows]
+
+
 def batch_drafter(draft: DraftModel, depth: int, top_k: int, total_tokens: int, rows: int, capacity: int,
                   lookup: int = 0, ngrams: tuple[int, ...] | None = None, trim: bool = False
                   ) -> BatchHeadDrafter | BatchPromptLookup:

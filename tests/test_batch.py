@@ -8,7 +8,7 @@ import torch
 
 from griffin import SpecGenerator
 from griffin.autotune import PLAIN, autotune_batch
-from griffin.batch import BatchHeadDrafter, batch_drafter, build_trees, decode_rows
+from griffin.batch import BatchHeadDrafter, BatchOracle, batch_drafter, decode_rows
 from griffin.decode import GenerationStats
 from griffin.kv_cache import move_entries
 from griffin.sampling import SamplingConfig
@@ -29,23 +29,28 @@ def reference(target, prompt: torch.Tensor, budget: int, eos: int | None = None)
     return out[: out.index(eos) + 1] if eos is not None and eos in out else out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("rows", [2, 4, 8])
-def test_every_row_equals_its_own_greedy_generation(family, rows):
+def check_rows_identity(family: str, rows: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
     """Prompts of different lengths, trees of two shapes and no tree (the batched plain loop): each row's tokens are
     transformers' generate of that prompt alone, also for rows that stop early at an EOS."""
-    target = tiny_model(family, vocab_size=96, seed=3)
-    prompts = prompts_of([3 + 5 * (i % 4) + i for i in range(rows)], 96, seed=rows)
+    target = tiny_model(family, vocab_size=96, seed=3).to(device=device, dtype=dtype)
+    prompts = [p.to(device) for p in prompts_of([3 + 5 * (i % 4) + i for i in range(rows)], 96, seed=rows)]
     eos = reference(target, prompts[1], 30)[10]  # row 1 (at least) stops early at this EOS
     refs = [reference(target, p, 30, eos) for p in prompts]
     assert len(refs[1]) <= 11
     for depth, total in ((3, 10), (1, 3), (1, 0)):
-        gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=depth, top_k=4, total_tokens=total)
+        gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=depth, top_k=4, total_tokens=total,
+                            draft_dtype=dtype)
         result = gen.generate([p.tolist() for p in prompts], max_new_tokens=30, eos_token_id=eos)
         assert result.tokens == refs, (depth, total)
         longest = max(p.shape[0] for p in prompts)
         for row, (p, new) in enumerate(zip(prompts, refs, strict=True)):
             assert result.sequences[row, longest - p.shape[0] : longest + len(new)].tolist() == p.tolist() + new
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("rows", [2, 4, 8])
+def test_every_row_equals_its_own_greedy_generation(family, rows):
+    check_rows_identity(family, rows)
 
 
 @pytest.mark.parametrize("static", [True, False])
@@ -67,35 +72,6 @@ def test_rows_with_lookup_chains_equal_their_own_greedy_generation(static):
     assert taus[8] > taus[0] + 0.25, taus
 
 
-class RowsOracle:
-    """Drafts chains of ``depth`` tokens: the reference continuation for the rows in ``knows``, wrong tokens for the
-    others (the batched drafter protocol of :class:`griffin.batch.BatchHeadDrafter`)."""
-
-    def __init__(self, refs: list[list[int]], knows: set[int], depth: int, vocab: int):
-        self.refs, self.knows, self.depth, self.vocab = refs, knows, depth, vocab
-        self.total_tokens = depth
-        self.rows = list(range(len(refs)))
-        self.done: list[int] = []
-
-    def start(self, prompts, hidden, tokens) -> None:
-        self.done = [1] * len(prompts)
-
-    def propose(self, roots: torch.Tensor):
-        chains = []
-        for row, done in zip(self.rows, self.done, strict=True):
-            truth = (self.refs[row][done : done + self.depth] + [0] * self.depth)[: self.depth]
-            chains.append(truth if row in self.knows else [(t + 1) % self.vocab for t in truth])
-        b, d = len(chains), self.depth
-        return build_trees(roots, torch.tensor(chains), -torch.arange(d, dtype=torch.float).expand(b, d),
-                           torch.arange(-1, d - 1).expand(b, d), torch.arange(1, d + 1), d, d)
-
-    def accept(self, tokens, hidden, counts: list[int], device_counts) -> None:
-        self.done = [n + c for n, c in zip(self.done, counts, strict=True)]
-
-    def select(self, rows: list[int]) -> None:
-        self.rows, self.done = [self.rows[r] for r in rows], [self.done[r] for r in rows]
-
-
 def test_rows_accept_paths_of_different_lengths_in_the_same_cycle():
     """Two rows accept whole chains of 5 every cycle, two accept none: each row's KV entries are compacted after
     its own length, and every row still equals its own generation (budgets cut rows mid-chain)."""
@@ -105,10 +81,26 @@ def test_rows_accept_paths_of_different_lengths_in_the_same_cycle():
     refs = [reference(target, p, 40) for p in prompts]
     budgets = [40, 11, 37, 23]
     stats = GenerationStats()
-    out = decode_rows(gen.backend, RowsOracle(refs, {0, 2}, 5, 64), prompts, budgets, SamplingConfig(),
-                      gen.eos_ids([]), None, stats)
+    wrong = [r if row in (0, 2) else [(t + 1) % 64 for t in r] for row, r in enumerate(refs)]
+    out = decode_rows(gen.backend, BatchOracle(wrong, 5), prompts, budgets, SamplingConfig(), gen.eos_ids([]), None,
+                      stats)
     assert out == [r[:n] for r, n in zip(refs, budgets, strict=True)]
     assert stats.accepted_hist.get(6, 0) >= 10 and stats.accepted_hist.get(1, 0) >= 20
+
+
+@pytest.mark.parametrize("chain", [1, 3, 6])
+def test_the_batched_oracle_accepts_its_whole_chain_in_every_row(chain):
+    """An oracle chain of K tokens per row is accepted whole in every cycle until the budget cuts it, and every row
+    stays its own generation: the batched engine's ceiling is K+1 tokens per row and cycle."""
+    target = tiny_model("qwen2", vocab_size=64, seed=2)
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=1, top_k=1, total_tokens=1)
+    prompts = prompts_of([5, 11, 8], 64, seed=4)
+    refs = [reference(target, p, 1 + 4 * (chain + 1)) for p in prompts]
+    stats = GenerationStats()
+    out = decode_rows(gen.backend, BatchOracle(refs, chain), prompts, [len(r) for r in refs], SamplingConfig(),
+                      gen.eos_ids([]), None, stats)
+    assert out == refs
+    assert stats.accepted_hist == {chain + 1: 4 * len(prompts)}
 
 
 def test_a_left_padded_tensor_with_its_attention_mask_and_a_batch_of_one():

@@ -25,6 +25,8 @@ from griffin.kv_cache import BufferCache, cached_forward
 from griffin.target import target_fingerprint
 from griffin.tree import build_tree
 from tests.conftest import run_module, tiny_model
+from tests.test_batch import check_rows_identity
+from tests.test_eagle3 import check_fused_identity
 from tests.test_generation import check_eos_and_budget, check_greedy_identity, check_sampling_distribution
 from tests.test_training import synthetic_items
 from training.store import shard_name, write_manifest, write_shard
@@ -47,6 +49,18 @@ def test_greedy_identical_to_generate_on_the_gpu(family, dtype):
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), *HALF])
 def test_eos_and_budget_on_the_gpu(dtype):
     check_eos_and_budget(CUDA, dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_heads_greedy_identical_to_generate_on_the_gpu(family, dtype):
+    check_fused_identity(family, CUDA, dtype)
+
+
+@pytest.mark.parametrize("rows", [2, 4, 8])
+def test_every_batch_row_equals_its_own_generation_on_the_gpu(rows):
+    """fp32, where a row's tokens cannot depend on the batch's rounding."""
+    check_rows_identity("llama", rows, CUDA)
 
 
 def test_sampling_matches_the_target_distribution_on_the_gpu():

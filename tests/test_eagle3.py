@@ -88,21 +88,26 @@ def test_verification_returns_the_fused_features_of_accepted_tokens():
     torch.testing.assert_close(got, want[: got.shape[0]], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_greedy_identity_with_fused_heads_over_tree_shapes(family):
-    target = tiny_model(family, vocab_size=96, layers=6)
+def check_fused_identity(family: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    """Untrained eagle3 and griffin3 heads over three tree shapes give exactly transformers' greedy tokens."""
+    target = tiny_model(family, vocab_size=96, layers=6).to(device=device, dtype=dtype)
     failures = []
     for arch in FUSED:
         for depth, top_k, total in [(1, 1, 1), (3, 2, 4), (5, 4, 12)]:
             gen = SpecGenerator(target, NoTokenizer(), untrained_head(target, arch, draft_vocab_size=40),
-                                depth=depth, top_k=top_k, total_tokens=total)
+                                depth=depth, top_k=top_k, total_tokens=total, draft_dtype=dtype)
             for seed in range(2):
-                prompt = torch.randint(0, 96, (5 + seed,), generator=torch.Generator().manual_seed(seed))
+                prompt = torch.randint(0, 96, (5 + seed,), generator=torch.Generator().manual_seed(seed)).to(device)
                 ref = target.generate(prompt[None], max_new_tokens=20, do_sample=False)
                 problem = greedy_difference(target, gen.generate(prompt, max_new_tokens=20).sequences, ref)
                 if problem:
                     failures.append(f"{arch} {(depth, top_k, total)} seed {seed}: {problem}")
-    assert not failures, "\n".join(failures)
+    assert not failures, f"{family} at {dtype}:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_identity_with_fused_heads_over_tree_shapes(family):
+    check_fused_identity(family)
 
 
 def fused_items(target, n: int, length: int, layers: list[int], seed: int = 0) -> list[Conversation]:
