@@ -204,6 +204,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@torch.inference_mode()
+def settle(model, device: torch.device, seconds: float = 6.0) -> None:
+    """Keep the GPU busy with the target's forwards for ``seconds``: an idle GPU runs at a fraction of its clock and
+    takes seconds to ramp up, so whatever is timed first would be timed slow. No-op on a CPU."""
+    if device.type != "cuda":
+        return
+    ids = torch.zeros(1, 64, dtype=torch.long, device=device)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        model(ids)
+        synchronize(device)
+
+
 def timed(device: torch.device, fn: Callable):
     """-> (fn(), seconds), the device's queued work included."""
     synchronize(device)
@@ -313,7 +326,7 @@ class Shape:
         self.gen.generate(ids, max_new_tokens=8)
         hf_generate(self.model, ids, 8)
         plain_generate(self.model, ids, 8, SamplingConfig(), self.gen.eos_ids(None))
-        synchronize(self.device)
+        settle(self.model, self.device)
 
     def plain(self, key: str = "plain") -> None:
         n, eos = self.plan.new_tokens, self.gen.eos_ids(None)
