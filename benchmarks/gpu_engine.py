@@ -581,7 +581,9 @@ def table(result: dict) -> str:
              "so an oracle drafter's τ is what the tree allows: these numbers measure the engine. Speedups are over "
              "transformers' `generate` on the same prompts and token budget, in the same process; the ceiling is "
              "τ · t(1) / t(N+1) from the forward-cost curve.\n\n")
-    return intro + "".join(shape_table(r) for r in result["shapes"].values())
+    caveats = "".join(f"- {c}\n" for c in result.get("caveats", []))  # added by hand where a run was flawed
+    return intro + (f"Read with care:\n\n{caveats}\n" if caveats else "") + "".join(
+        shape_table(r) for r in result["shapes"].values())
 
 
 def write_table(path: Path, markdown: Callable[[dict], str]) -> int:
