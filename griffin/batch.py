@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from .backend import TargetBackend
 from .decode import GenerationStats
 from .draft import DraftModel, DraftOutput
-from .drafters import MAX_CONTEXT_VOCAB, Context, lookup_ngrams, tree_nodes
+from .drafters import MAX_CONTEXT_VOCAB, Context, chained_shape, lookup_ngrams, tree_nodes
 from .kv_cache import BufferCache, DraftCache, RowsCache, move_entries
 from .plain import plain_rows_step
 from .sampling import SamplingConfig, greedy, sample, warp
@@ -217,8 +217,7 @@ class BatchPromptLookup:
                  trim: bool = False):
         self.inner, self.tokens, self.ngrams, self.trim = inner, tokens, lookup_ngrams(tokens, ngrams, trim), trim
         self.capacity = capacity
-        self.depth = max(inner.depth, tokens)
-        self.total_tokens = inner.total_tokens + tokens
+        self.depth, self.total_tokens = chained_shape(inner, tokens)
         self.contexts: list[Context] = []
 
     def start(self, prompts: list[torch.Tensor], hidden: list[torch.Tensor], tokens: torch.Tensor) -> None:

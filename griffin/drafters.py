@@ -119,6 +119,11 @@ def lookup_ngrams(tokens: int, ngrams: tuple[int, ...] | None, trim: bool) -> li
     return sorted(set(ngrams), reverse=True)
 
 
+def chained_shape(inner, tokens: int) -> tuple[int, int]:
+    """(depth, total_tokens) of ``inner``'s tree with a prompt-lookup chain of ``tokens`` grafted onto it."""
+    return max(inner.depth, tokens), inner.total_tokens + tokens
+
+
 class PromptLookup:
     """Another drafter's tree plus a chain of ``tokens`` context tokens: those that followed the latest earlier
     occurrence of the context's last n-gram (the longest n in ``ngrams`` that occurs), grafted below the tree's node
@@ -138,8 +143,7 @@ class PromptLookup:
         self.context = Context(capacity)
 
     def _shape(self) -> None:
-        self.depth = max(self.inner.depth, self.tokens)
-        self.total_tokens = self.inner.total_tokens + self.tokens
+        self.depth, self.total_tokens = chained_shape(self.inner, self.tokens)
 
     def resize(self, depth: int, total_tokens: int) -> None:
         """The inner drafter's tree takes another shape (:meth:`HeadDrafter.resize`); the chain stays."""
