@@ -272,13 +272,18 @@ def test_batching_benchmark_on_a_tiny_target(tmp_path, tiny_target_dir, head_dir
     assert batches["2"]["rows_identical_to_b1"]["ours"] == 2 and min(batches["2"]["tokens_per_s"].values()) > 0
     assert batches["1"]["group_speedup"]["groups"] == 2 and batches["1"]["group_speedup"]["se"] is not None
     assert batches["2"]["group_speedup"] | {"mean": 0} == {"mean": 0, "se": None, "groups": 1}
-    alone = tmp_path / "batch-2-only"  # without batch 1 there is nothing to check rows against
+    alone = tmp_path / "batch-2-only"  # without batch 1 there is nothing to check rows against; second turns
     res = run_module("benchmarks.batching", "--target", str(tiny_target_dir), "--draft", str(head_dir),
                      "--total-tokens", "4", "--depth", "2", "--lookup", "3", "--batch-sizes", "2", "--dtypes", "fp32",
-                     "--prompts", "2", "--max-new-tokens", "6", "--out", str(alone))
+                     "--prompts", "2", "--max-new-tokens", "6", "--turn", "2", "--answer-tokens", "5",
+                     "--out", str(alone))
     assert res.returncode == 0, res.stderr
-    assert json.loads(alone.with_suffix(".json").read_text())["runs"][0]["batches"]["2"]["rows_identical_to_b1"] is None
-    assert "| - | - |" in alone.with_suffix(".md").read_text()
+    second = json.loads(alone.with_suffix(".json").read_text())["runs"][0]
+    assert second["batches"]["2"]["rows_identical_to_b1"] is None
+    first_turns = result["runs"][0]["prompt_tokens"]  # a second turn holds the first, its answer and the question
+    assert all(n2 > n1 + 5 for n1, n2 in zip(first_turns, second["prompt_tokens"], strict=True))
+    text = alone.with_suffix(".md").read_text()
+    assert "| - | - |" in text and "second turns (after our plain loop's first answer of at most 5 tokens)" in text
     assert out.with_suffix(".png").is_file()
     assert "| 2 | 4 nodes, depth 2 + lookup 3 |" in out.with_suffix(".md").read_text()
 
