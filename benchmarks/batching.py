@@ -135,6 +135,16 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> dict:
         return decode_rows(gen.backend, None, batch, [budget] * len(batch), SamplingConfig(), eos, None,
                            GenerationStats())
 
+    def drafts(b: int) -> str:
+        """What ours drafts at batch size b: a batch drafts its tuned tree (with each row's chain) or nothing; one
+        prompt its tuned tree or the chain alone, and adapts the shape per request (down to none and back)."""
+        depth, total = trees[b]
+        chain = f" + lookup {gen.lookup}" if gen.lookup and total else ""
+        shape = f"{total} nodes, depth {depth}{chain}" if total else "no tree"
+        if b == 1 and not total and gen.lookup and depth:
+            shape = f"lookup {gen.lookup} alone"
+        return shape + (", adapting per request" if b == 1 and gen.adapting else "")
+
     runs = {"ours": ours, "generate": generate, "plain loop": plain}
     trees = {b: gen.batch_tree(b) if b > 1 else (gen.depth, gen.total_tokens) for b in args.batch_sizes}  # tuned
     reasons = {b: ((batch_tuning_record(gen, b) if b > 1 else tuning_record(gen, 0.0)) or {}).get("reason", "fixed")
@@ -170,6 +180,7 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> dict:
 
         results["batches"][str(b)] = {
             "tree": {"depth": trees[b][0], "total_tokens": trees[b][1]}, "tuner_reason": reasons[b],
+            "drafts": drafts(b),
             "tokens": tokens, "seconds": seconds, "tokens_per_s": rate,
             "fastest_plain": fastest, "speedup": rate["ours"] / rate[fastest],
             "group_speedup": spread([o / f for o, f in zip(group_rates["ours"], group_rates[fastest], strict=True)]),
@@ -225,20 +236,24 @@ def per_group(batch: dict) -> str:
     return f"; per group {g['mean']:.2f} ± {g['se']:.2f} ({g['groups']})" if g["se"] is not None else "; one group"
 
 
+def drafting(batch: dict) -> bool:
+    """Whether ours drafts anything at a batch size (results written before ``drafts``: whether it has a tree)."""
+    return batch["drafts"] != "no tree" if "drafts" in batch else bool(batch["tree"]["total_tokens"])
+
+
 def verdict(run: dict) -> str:
     """Where speculation paid (a tree, above the fastest plain decoding) and from which batch size on it stopped."""
     batches = sorted(int(b) for b in run["batches"])
-    paying = [b for b in batches if run["batches"][str(b)]["tree"]["total_tokens"]
-              and run["batches"][str(b)]["speedup"] > 1.0]
-    plain = [b for b in batches if not run["batches"][str(b)]["tree"]["total_tokens"]]
+    paying = [b for b in batches if drafting(run["batches"][str(b)]) and run["batches"][str(b)]["speedup"] > 1.0]
+    plain = [b for b in batches if not drafting(run["batches"][str(b)])]
 
     def names(sizes: list[int]) -> str:
         return ", ".join(map(str, sizes))
 
-    text = (f"Speculation paid (a tree, above 1.0x) at batch {names(paying)}" if paying
+    text = (f"Speculation paid (drafting, above 1.0x) at batch {names(paying)}" if paying
             else "Speculation paid at no batch size")
     if plain:
-        text += (f"; the tuner kept no tree at batch {names(plain)} (ours is then the plain loop: its ratio to the "
+        text += (f"; ours drafted nothing at batch {names(plain)} (it is then the plain loop: its ratio to the "
                  "plain baselines is measurement noise)")
     stopped = [b for b in batches if all(c not in paying for c in batches if c >= b)]
     if not stopped:
@@ -260,15 +275,16 @@ def markdown(result: dict, png: str) -> str:
         for b, r in run["batches"].items():
             rate, identical = r["tokens_per_s"], r["rows_identical_to_b1"]
             chain = f" + lookup {run['lookup']}" if run.get("lookup") else ""
-            rows.append([b, (f"{r['tree']['total_tokens']} nodes, depth {r['tree']['depth']}{chain}"
-                             if r["tree"]["total_tokens"] else "no tree"), f"{rate['ours']:.1f}",
+            shape = r.get("drafts") or (f"{r['tree']['total_tokens']} nodes, depth {r['tree']['depth']}{chain}"
+                                        if r["tree"]["total_tokens"] else "no tree")
+            rows.append([b, shape, f"{rate['ours']:.1f}",
                          f"{rate['generate']:.1f}", f"{rate['plain loop']:.1f}",
                          f"**{r['speedup']:.2f}x** ({r['fastest_plain']}){per_group(r)}",
                          *((f"{identical['ours']}/{r['rows']}", f"{identical['generate']}/{r['rows']}") if identical
                            else ("-", "-"))])
         lines += [f"## {run['dtype']}\n", markdown_table(
-            ["B", "tree (tuned for B)", "ours tok/s", "generate tok/s", "plain loop tok/s", "speedup vs fastest plain",
-             "ours identical", "generate identical"], rows)]
+            ["B", "ours drafts (tuned for B)", "ours tok/s", "generate tok/s", "plain loop tok/s",
+             "speedup vs fastest plain", "ours identical", "generate identical"], rows)]
         lines.append(verdict(run) + "\n")
     lines += [f"Command: `{result['command']}`\n", f"Machine: {machine_text(result['machine'])}; load average "
               f"{result['machine']['load_average_1m']} when written (other processes sharing the cores).\n",

@@ -307,12 +307,17 @@ def test_batching_verdict_names_where_speculation_paid_and_where_it_stopped():
         return {"batches": {str(b): {"tree": {"total_tokens": n}, "speedup": x} for b, n, x in sizes}}
 
     assert verdict(run((1, 12, 1.3), (2, 6, 1.2), (4, 0, 1.0))) == (
-        "Speculation paid (a tree, above 1.0x) at batch 1, 2; the tuner kept no tree at batch 4 (ours is then the "
+        "Speculation paid (drafting, above 1.0x) at batch 1, 2; ours drafted nothing at batch 4 (it is then the "
         "plain loop: its ratio to the plain baselines is measurement noise); from batch 4 on it stopped paying.")
     assert verdict(run((1, 12, 1.3), (2, 0, 1.1), (4, 2, 1.05), (8, 1, 0.97))).endswith(
         "from batch 8 on it stopped paying.")  # not "from batch 2": it paid again at 4
     assert verdict(run((1, 4, 1.2), (2, 4, 1.1))).endswith("at batch 1, 2; it paid at every batch size measured.")
-    assert verdict(run((1, 0, 1.02), (2, 0, 0.9))).startswith("Speculation paid at no batch size; the tuner kept")
+    assert verdict(run((1, 0, 1.02), (2, 0, 0.9))).startswith("Speculation paid at no batch size; ours drafted")
+    adapting = run((1, 0, 1.75), (2, 0, 1.02))  # one prompt without a tuned tree still drafts when it adapts
+    adapting["batches"]["1"]["drafts"] = "no tree, adapting per request"
+    adapting["batches"]["2"]["drafts"] = "no tree"
+    assert verdict(adapting).startswith("Speculation paid (drafting, above 1.0x) at batch 1; ours drafted nothing at "
+                                        "batch 2")
 
 
 def test_headline_names_the_tuned_start_of_adaptive_runs():
