@@ -19,7 +19,8 @@
 # GPU_CHECK_SHAPES="llama3-8b" picks the shapes of steps 4-5; GPU_CHECK_QUICK=1 runs them with --quick.
 # Benchmark output goes to bench.log. The results' JSON files are copied to $OUT after every step (their markdown
 # is made again from them: `python -m benchmarks.gpu_engine --table FILE.json`, the same for gpu_batching), so $OUT
-# holds at most 6 files. GPU_CHECK_TESTS_LIMIT (default 240) bounds the test tier, GPU_CHECK_TEST_TIMEOUT (90) a test.
+# holds at most 6 files. GPU_CHECK_TESTS_LIMIT (default 300) bounds the test tier, GPU_CHECK_TEST_TIMEOUT (180) a
+# test; each failure's report is logged when it happens (GRIFFIN_PRINT_FAILURES=1), so a stopped tier still says why.
 # Exit code: the first failing step's (0: all passed).
 set -u
 OUT=${OUT:-gpu-check}
@@ -31,7 +32,7 @@ summary="$OUT/summary.txt"
 : >"$summary"
 start=$(date +%s)
 status=0
-export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 GRIFFIN_LOG=${GRIFFIN_LOG:-INFO}
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 GRIFFIN_LOG=${GRIFFIN_LOG:-INFO} GRIFFIN_PRINT_FAILURES=1
 
 if [ "${GPU_CHECK_TINY:-0}" = 1 ]; then
     read -ra shapes <<<"${GPU_CHECK_SHAPES:-tiny}"
@@ -90,8 +91,8 @@ if ! step "smoke" 90 "$OUT/bench.log" "$PY" -m benchmarks.gpu_batching --shape t
 fi
 if [ "${GPU_CHECK_TESTS:-1}" = 1 ]; then
     per_test=()  # a hung test stops alone, where pytest-timeout is installed
-    "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout "${GPU_CHECK_TEST_TIMEOUT:-90}")
-    step "CUDA tests" "${GPU_CHECK_TESTS_LIMIT:-240}" "$OUT/pytest-cuda.log" "$PY" -m pytest -v -m cuda -rs \
+    "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout "${GPU_CHECK_TEST_TIMEOUT:-180}")
+    step "CUDA tests" "${GPU_CHECK_TESTS_LIMIT:-300}" "$OUT/pytest-cuda.log" "$PY" -m pytest -v -m cuda -rs \
         --durations=20 -p no:cacheprovider "${per_test[@]}"
 fi
 if [ "${GPU_CHECK_BATCHING:-1}" = 1 ]; then

@@ -37,6 +37,13 @@ ROOT = Path(__file__).resolve().parent.parent
 THREADS = min(2, torch.get_num_threads())
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With GRIFFIN_PRINT_FAILURES=1, a failure's report is written the moment it happens (a run stopped at its time
+    limit, as on a lent GPU machine, then still shows why each test failed; pytest itself reports at the end)."""
+    if report.failed and os.environ.get("GRIFFIN_PRINT_FAILURES") == "1":
+        print(f"\nFAILED {report.nodeid} ({report.when}):\n{report.longreprtext}\n", file=sys.__stderr__, flush=True)
+
+
 @pytest.fixture(autouse=True)
 def _threads(request):
     """Two threads for the embedded target; one for tiny models, whose many small ops only pay for thread syncs."""
