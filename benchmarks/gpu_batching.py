@@ -29,19 +29,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from benchmarks.batching import sizes
 from griffin.cli import positive_int, run_cli
 from griffin.io import atomic_write_json, atomic_write_text
 from griffin.report import command_line, machine_info, markdown_table, write_benchmark
-
-
-def sizes(text: str) -> list[int]:
-    try:
-        values = sorted({int(v) for v in text.split(",")})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or values[0] < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -270,7 +270,7 @@ class BatchOracle:
         found = [self.continuations[r][n : n + k] for r, n in zip(self.rows, self.done, strict=True)]
         chains = torch.tensor([c + [0] * (k - len(c)) for c in found], device=device)  # [B, K]
         valid = torch.arange(k, device=device)[None, :] < torch.tensor([len(c) for c in found], device=device)[:, None]
-        zeros = torch.zeros_like(roots)[:, None]
+        zeros = torch.zeros_like(roots)[:, None]  # [B, 1]: each row's tree is its root alone, the chain grafted on
         roots_only = Tree(roots[:, None], zeros, zeros, torch.ones_like(zeros, dtype=torch.bool)[..., None], zeros, 0)
         return graft(roots_only, chains, valid)
 

@@ -187,10 +187,17 @@ def test_gpu_check_script_runs_the_benchmark_at_the_tiny_shape(tmp_path):
     assert untrained["cycles"] > 0 and untrained["identical_to_generate"] == 1.0
     assert min(untrained["draft_s"], untrained["verify_s"], untrained["other_s"]) > 0
     assert {"1", "2", "7", "61"} <= set(shape["forward_cost_s"]) and shape["autotune"]["total_tokens"] >= 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["batching-cpu.json", "bench.log", "engine-cpu.json",
+                                                          "summary.txt"]  # JSON only: a GPU machine returns 8 files
+    batching = json.loads((tmp_path / "batching-cpu.json").read_text())
+    assert set(batching["batches"]) == {"1", "2"} and batching["complete"]
+    runs = [o for b in batching["batches"].values() for o in b["oracle"].values()]
+    assert len(runs) == 8 and all(o["identical_to_plain"] and o["runs"] == 1 and o["tau"] > 1 for o in runs)
+    for module, stem in (("benchmarks.gpu_engine", "engine-cpu"), ("benchmarks.gpu_batching", "batching-cpu")):
+        assert run_main(module, "--table", str(tmp_path / f"{stem}.json"))[0] == 0
     table = (tmp_path / "engine-cpu.md").read_text()
     assert "## tiny" in table and "Engine overhead at the 60-node tree" in table
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.log", "engine-cpu.json", "engine-cpu.md",
-                                                          "summary.txt"]
+    assert "| 2 | " in (tmp_path / "batching-cpu.md").read_text()
 
 
 def test_gpu_engine_oracle_reproposes_the_engines_own_tokens():
