@@ -16,7 +16,8 @@ One static tree shape per cycle for the whole batch (the generator's tree, or th
 A batch of one never comes here (the generator runs :func:`griffin.decode.decode`). With no drafter the loop is the
 batched plain loop (:func:`griffin.plain.plain_rows_step`). Each prompt is prefilled alone, as a one-prompt generation
 prefills it. With ``lookup``, each row's tree carries its own prompt-lookup chain (:class:`BatchPromptLookup`).
-Not batched: draft LMs and per-request adaptation (the tree is the batch's).
+Adaptation is per batch: one :class:`griffin.adapt.ShapePolicy` over shapes priced at the batch size picks each
+cycle's shape (or a plain step of every row) from the mean tokens the rows accepted. Not batched: draft LMs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .adapt import PLAIN, ShapePolicy
 from .backend import TargetBackend
 from .decode import GenerationStats
 from .draft import DraftModel, DraftOutput
@@ -94,7 +96,7 @@ class BatchHeadDrafter:
     serves the batch (the context tokens of every row join it)."""
 
     def __init__(self, draft: DraftModel, depth: int, top_k: int, total_tokens: int, rows: int, capacity: int):
-        self.draft, self.depth, self.top_k = draft, depth, top_k
+        self.draft, self.depth, self.top_k, self.max_depth = draft, depth, top_k, depth
         self.total_tokens = tree_nodes(depth, top_k, total_tokens)
         self.vocab = DraftVocab(draft)
         self.vocab.reserve(-(-min(rows * capacity, MAX_CONTEXT_VOCAB) // 256) * 256)
@@ -124,6 +126,12 @@ class BatchHeadDrafter:
                                                                  | (slots[None, None, :] == slots[None, :, None]))
         out = self.draft(inputs, features, slots.expand(len(prompts), -1), mask[:, None], cache=self.cache)
         self.last = self._at(out, lengths - 1)
+
+    def resize(self, depth: int, total_tokens: int) -> None:
+        """The next cycles' tree shape (adaptation), at most as deep as the one the draft cache was made for."""
+        if depth > self.max_depth:
+            raise ValueError(f"a tree of depth {depth} does not fit a drafter made for depth {self.max_depth}")
+        self.depth, self.total_tokens = depth, tree_nodes(depth, self.top_k, total_tokens)
 
     @staticmethod
     def _at(out: DraftOutput, index: torch.Tensor) -> DraftOutput:
@@ -219,6 +227,11 @@ class BatchPromptLookup:
         self.capacity = capacity
         self.depth, self.total_tokens = chained_shape(inner, tokens)
         self.contexts: list[Context] = []
+
+    def resize(self, depth: int, total_tokens: int) -> None:
+        """The inner tree takes another shape; the chain stays."""
+        self.inner.resize(depth, total_tokens)
+        self.depth, self.total_tokens = chained_shape(self.inner, self.tokens)
 
     def start(self, prompts: list[torch.Tensor], hidden: list[torch.Tensor], tokens: torch.Tensor) -> None:
         self.contexts = [Context(self.capacity) for _ in prompts]
@@ -319,10 +332,14 @@ def pick(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Genera
 @torch.inference_mode()
 def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | BatchPromptLookup | None,
                 prompts: list[torch.Tensor], budgets: list[int], sampling: SamplingConfig, eos: torch.Tensor,
-                generator: torch.Generator | None, stats: GenerationStats) -> list[list[int]]:
+                generator: torch.Generator | None, stats: GenerationStats,
+                policy: ShapePolicy | None = None) -> list[list[int]]:
     """prompts [P_b] -> each row's new tokens (up to and including its first EOS, at most ``budgets[b]``).
 
-    ``drafter`` None: the batched plain loop. ``stats`` counts per row and cycle (``tau``: tokens per row per target
+    ``drafter`` None: the batched plain loop. ``policy``: the batch adapts its tree shape as one request does
+    (:class:`griffin.adapt.ShapePolicy`, observing the mean tokens a cycle emitted per row): each cycle drafts the
+    shape it asks for, or is a plain step of every row, whose tokens the drafter reads before the next tree (the
+    drafter is made for the largest shape). ``stats`` counts per row and cycle (``tau``: tokens per row per target
     pass; ``prefill_s``: the prompts' prefill and first tokens, ``wall_s``: all). One host sync per cycle; rows that
     finish leave the batch."""
     started = time.perf_counter()
@@ -352,13 +369,26 @@ def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | BatchPromptL
     if drafter is not None:
         drafter.start([prompts[r] for r in active], [hidden[r] for r in active], tokens)
     remaining = torch.tensor([budgets[r] - 1 for r in active], device=device)  # [B] on the device from here on
+    shape = policy.shape() if policy is not None and drafter is not None else None
+    unread: list[tuple[torch.Tensor, torch.Tensor]] = []  # plain steps' tokens [B, 1] and features [B, 1, H] unread
     while True:
         b = len(active)
-        if drafter is None:
-            tokens, _ = plain_rows_step(backend, cache, tokens, sampling, generator)
+        tree_cycle = drafter is not None and shape is not PLAIN
+        if not tree_cycle:
+            tokens, features = plain_rows_step(backend, cache, tokens, sampling, generator)
             counts, stops = torch.ones_like(tokens), torch.isin(tokens, eos) | (remaining == 1)
             emitted = tokens[:, None]
+            if drafter is not None:
+                unread.append((emitted, features))
         else:
+            if shape is not None:
+                drafter.resize(shape.depth, shape.total_tokens)
+                stats.shapes[shape.name] = stats.shapes.get(shape.name, 0) + 1
+            if unread:  # the plain steps since the last tree: the drafter reads them at once
+                n = len(unread)
+                drafter.accept(torch.cat([t for t, _ in unread], dim=1), torch.cat([f for _, f in unread], dim=1),
+                               [n] * b, torch.full((b,), n, device=device))
+                unread.clear()
             end = cache.end
             tree = drafter.propose(tokens)
             positions = cache.positions(device)[:, None] + tree.depths
@@ -370,13 +400,16 @@ def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | BatchPromptL
         host = torch.cat((emitted.flatten(), counts, stops.long())).tolist()  # the host sync
         index, remaining = counts - 1, remaining - counts  # [B] each, kept on the device
         device_counts, counts, stops = counts, host[b * width : b * width + b], host[b * width + b :]
-        if drafter is not None:
+        if tree_cycle:
             cache.compact(end + path, counts, device_counts)
         for i, row in enumerate(active):
             out[row] += host[i * width : i * width + counts[i]]
             stats.count(counts[i])
-        if drafter is None:
+        if not tree_cycle:
             stats.plain_steps += b
+        if shape is not None:
+            policy.observe(shape, sum(counts) / b if tree_cycle else 1)
+            shape = policy.shape()
         keep = [i for i in range(b) if not stops[i]]
         if not keep:
             break
@@ -387,9 +420,11 @@ def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | BatchPromptL
             emitted, index, remaining, device_counts = emitted[rows], index[rows], remaining[rows], device_counts[rows]
             if drafter is not None:
                 drafter.select(keep)
+                unread = [(t[rows], f[rows]) for t, f in unread]
+            if tree_cycle:
                 path, features = path[rows], features[rows]
         tokens = emitted.gather(1, index[:, None])[:, 0]
-        if drafter is not None:
+        if tree_cycle:
             c = max(counts[i] for i in keep)
             drafter.accept(emitted[:, :c], _gather_rows(features, path[:, :c]), [counts[i] for i in keep],
                            device_counts)

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .adapt import Shape, ShapePolicy
-from .autotune import autotune_batch, shapes, temperature_band, tune_gamma, tuned_choice
+from .autotune import autotune_batch, batch_tuning_record, shapes, temperature_band, tune_gamma, tuned_choice
 from .backend import TargetBackend
 from .batch import batch_drafter, decode_rows
 from .chat_template import check_messages, prompt_ids
@@ -111,6 +111,7 @@ class SpecGenerator:
         self.adapt = True  # with a tuned tree, resize it per request from the tuner's shapes (griffin.adapt)
         self._shapes: list[Shape] = []  # the tuner's shapes for the current band (none for a fixed tree)
         self._batch_trees: dict[tuple[float, int], tuple[int, int]] = {}  # (band, batch size) -> (depth, total)
+        self._batch_shapes: dict[tuple[float, int], list[Shape]] = {}  # (band, batch size) -> shapes to adapt among
 
     @classmethod
     def from_pretrained(cls, target: str | os.PathLike | PreTrainedModel = EMBEDDED_TARGET,
@@ -250,7 +251,7 @@ class SpecGenerator:
         temperature band (:mod:`griffin.autotune`); tune the greedy one now. ``retune``: measure every band again, once.
         Setting ``depth``/``total_tokens``/``gamma`` by hand afterwards holds until a generation changes the band."""
         self.autotuned, self._band, self._retune, self._retuned = True, None, retune, set()
-        self._batch_trees = {}
+        self._batch_trees, self._batch_shapes = {}, {}
         self.tune_for(0.0)
 
     @one_thread_at_a_time  # its measuring generations run the target too
@@ -498,6 +499,10 @@ class SpecGenerator:
                 raise ValueError("batched generation drafts with a head: generate one prompt at a time with a draft "
                                  "LM, or load the generator with a head")
             depth, total = self.batch_tree(len(rows), sampling.temperature)
+            adapt = self.batch_shapes(len(rows), sampling.temperature)
+            policy = ShapePolicy(adapt, plain_first=total == 0) if adapt else None
+            if adapt:  # the drafter is made for the largest shape adaptation may take
+                depth, total = max(depth, *(s.depth for s in adapt)), max(total, *(s.total_tokens for s in adapt))
             longest = max(ids.shape[0] + n for ids, n in zip(rows, budgets, strict=True))
             if any(w is not None and w < longest + total + 1 for w in attention_windows(self.target.config)):
                 raise ValueError("this target's sliding-window layers are not batched yet: generate one prompt at a "
@@ -506,7 +511,7 @@ class SpecGenerator:
             if total > 0:
                 drafter = batch_drafter(self.draft, depth, self.top_k, total, len(rows), longest, self.lookup,
                                         self.lookup_ngrams, trim=not self.static_shapes)
-            tokens = decode_rows(self.backend, drafter, rows, budgets, sampling, eos, generator, stats)
+            tokens = decode_rows(self.backend, drafter, rows, budgets, sampling, eos, generator, stats, policy)
         return BatchResult(self._padded(rows, tokens), tokens,
                            [self.tokenizer.decode(t, skip_special_tokens=True) for t in tokens], stats)
 
@@ -531,6 +536,18 @@ class SpecGenerator:
         if key not in self._batch_trees:
             self._batch_trees[key] = autotune_batch(self, rows, retune=self._retune, temperature=key[0])
         return self._batch_trees[key]
+
+    def batch_shapes(self, rows: int, temperature: float = 0.0) -> list[Shape]:
+        """The tree shapes batches of ``rows`` prompts adapt between (none: the batch's tree stays fixed): those of
+        the batch size's tuning record (:func:`griffin.autotune.shapes`, priced at that batch size), when the tree is
+        tuned and ``adapt`` is on."""
+        if not (self.autotuned and self.adapt) or isinstance(self.draft, DraftLM):
+            return []
+        key = (temperature_band(temperature), rows)
+        if key not in self._batch_shapes:
+            self.batch_tree(rows, temperature)  # tuned first if need be
+            self._batch_shapes[key] = shapes(batch_tuning_record(self, rows, key[0]) or {}, self.lookup)
+        return self._batch_shapes[key]
 
     @one_thread_at_a_time
     def stream(self, inputs, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,

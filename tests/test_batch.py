@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from griffin import SpecGenerator
+from griffin.adapt import Shape, ShapePolicy
 from griffin.autotune import PLAIN, autotune_batch
 from griffin.batch import BatchHeadDrafter, BatchOracle, batch_drafter, decode_rows
 from griffin.decode import GenerationStats
@@ -139,10 +140,17 @@ def test_finished_rows_leave_the_batch():
     assert rows_seen == sorted(rows_seen, reverse=True)
 
 
-@pytest.mark.parametrize("temperature,total,lookup", [(0.0, 8, 0), (1.0, 8, 0), (0.0, 0, 0), (0.0, 8, 4),
-                                                    (1.0, 8, 4)])
-def test_one_host_sync_per_cycle_for_the_whole_batch(counted, temperature, total, lookup):  # noqa: F811
-    """Static shapes (what a GPU runs), a lookup chain included."""
+def adapting_policy() -> ShapePolicy:
+    """Two tree shapes an untrained head cannot pay for: the batch runs a tree, falls back to plain steps, probes."""
+    return ShapePolicy([Shape(3, 8, 2.0, 1.9, 4), Shape(1, 2, 1.5, 1.45, 2)])
+
+
+@pytest.mark.parametrize("temperature,total,lookup,adapt", [(0.0, 8, 0, False), (1.0, 8, 0, False),
+                                                            (0.0, 0, 0, False), (0.0, 8, 4, False),
+                                                            (1.0, 8, 4, False), (0.0, 8, 4, True),
+                                                            (1.0, 8, 0, True)])
+def test_one_host_sync_per_cycle_for_the_whole_batch(counted, temperature, total, lookup, adapt):  # noqa: F811
+    """Static shapes (what a GPU runs), a lookup chain included, the tree's shape adapting or fixed."""
     target = tiny_model("llama", vocab_size=96)
     gen = SpecGenerator(target, NoTokenizer(), untrained_head(target, draft_vocab_size=40), depth=3, top_k=4,
                         total_tokens=total)
@@ -157,9 +165,28 @@ def test_one_host_sync_per_cycle_for_the_whole_batch(counted, temperature, total
     drafter = batch_drafter(gen.draft, 3, 4, total, 3, 40, lookup) if total else None
     generator = torch.Generator().manual_seed(0) if temperature else None
     counted[0] = 0
+    stats = GenerationStats()
     decode_rows(gen.backend, drafter, prompts_of([6, 3, 9], 96), [16, 12, 16], SamplingConfig(temperature, 0.9),
-                gen.eos_ids([]), generator, GenerationStats())
+                gen.eos_ids([]), generator, stats, adapting_policy() if adapt else None)
     assert passes[0] > 4 and counted[0] == 1 + passes[0]  # the prefill's, then one per batched pass
+    assert (stats.plain_steps > 0 and bool(stats.shapes)) == adapt or not total
+
+
+@pytest.mark.parametrize("lookup", [0, 3])
+def test_a_batch_adapting_its_tree_keeps_every_row_its_own_generation(lookup):
+    """The batch switches between two tree shapes and plain steps (whose tokens the drafter reads before the next
+    tree); rows that finish early leave it in either kind of cycle: every row is still its own greedy generation."""
+    target = tiny_model("llama", vocab_size=96, seed=3)
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=3, top_k=4, total_tokens=8)
+    prompts = prompts_of([5, 12, 3, 8], 96, seed=7)
+    budgets = [40, 9, 33, 40]
+    refs = [reference(target, p, n) for p, n in zip(prompts, budgets, strict=True)]
+    stats = GenerationStats()
+    drafter = batch_drafter(gen.draft, 3, 4, 8, 4, 60, lookup, trim=bool(lookup))
+    out = decode_rows(gen.backend, drafter, prompts, budgets, SamplingConfig(), gen.eos_ids([]), None, stats,
+                      adapting_policy())
+    assert out == refs
+    assert stats.plain_steps > 0 and sum(stats.shapes.values()) > 2  # plain stretches and probes both ran
 
 
 @pytest.mark.parametrize("total", [8, 0])
