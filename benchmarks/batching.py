@@ -136,14 +136,16 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> dict:
                            GenerationStats())
 
     def drafts(b: int) -> str:
-        """What ours drafts at batch size b: a batch drafts its tuned tree (with each row's chain) or nothing; one
-        prompt its tuned tree or the chain alone, and adapts the shape per request (down to none and back)."""
+        """What ours drafts at batch size b: its tuned tree (a batch's with each row's chain), nothing, or for one
+        prompt the chain alone; then whether the shape adapts (per request, or per batch: down to none and back)."""
         depth, total = trees[b]
         chain = f" + lookup {gen.lookup}" if gen.lookup and total else ""
         shape = f"{total} nodes, depth {depth}{chain}" if total else "no tree"
         if b == 1 and not total and gen.lookup and depth:
             shape = f"lookup {gen.lookup} alone"
-        return shape + (", adapting per request" if b == 1 and gen.adapting else "")
+        if b == 1:
+            return shape + (", adapting per request" if gen.adapting else "")
+        return shape + (", adapting per batch" if gen.batch_shapes(b) else "")
 
     runs = {"ours": ours, "generate": generate, "plain loop": plain}
     trees = {b: gen.batch_tree(b) if b > 1 else (gen.depth, gen.total_tokens) for b in args.batch_sizes}  # tuned
