@@ -11,7 +11,17 @@ best shape while its rate stays above plain decoding's (rate 1) less ``MARGIN``,
 below; a tree takes over again when it beats rate 1 by ``MARGIN``. The first cycle of a request runs the best tree
 whatever the tuner expected (the tuner's generic requests can undervalue a request by far: MT-Bench's second turns
 accept twice what they do). While decoding plainly it learns nothing about acceptance, so it probes: after ``probe``
-plain tokens one cycle runs the best tree, and each probe that still loses doubles the wait (up to ``max_probe``).
+plain tokens one cycle runs the best tree, and each probe that still loses doubles the wait (up to ``max_probe``); where
+a probe costs more than two plain steps, the wait is that many times longer, so that losing probes never cost more
+than ``1 / probe`` of the time.
+
+A batch (:func:`griffin.batch.decode_rows`) verifies in each row as many prompt-lookup nodes as the row that found the
+longest match, so at large batch sizes, where a pass's cost grows with its width, a cycle can cost far more than the
+tuner's per-request estimate (``benchmarks/results/batch-adapt/``). Given the forward-cost curve measured at the batch
+size (``curve``), the policy keeps a running mean of the lookup nodes per row the tree cycles verified, beside the
+acceptance ratio, and prices each shape at it. A batch takes as many cycles as its slowest row needs, and where most
+of a pass's cost is fixed (reading the weights) tokens accepted in the other rows save little, so a batch keeps the
+acceptance ratio per row and decides on the lowest.
 
 Decisions use token counts and the tuner's cost table only, never the clock: the same request with the same seed
 takes the same shapes and gives the same output on a machine. Every shape is verified losslessly, so the output is
@@ -22,6 +32,8 @@ exact given what came before). Nothing here is written to the tuning cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy
 
 SMOOTHING = 0.1  # each tree cycle weighs 1 - SMOOTHING times the next one in the running acceptance ratio
 PRIOR = 1.0  # the tuner's expectation counts as this many cycles in the running ratio
@@ -39,6 +51,12 @@ class Shape:
     tau: float
     cost: float
     most: int = 0  # the most tokens one cycle can emit (the longest path plus the bonus; 0: depth + 1)
+    nodes: float = 0.0  # nodes per row the tuner priced a cycle at, root and lookup chain included (0: unknown)
+
+    @property
+    def chain(self) -> float:
+        """Lookup nodes per row the tuner expected a cycle to verify."""
+        return max(self.nodes - self.total_tokens - 1, 0.0)
 
     @property
     def name(self) -> str:
@@ -48,18 +66,35 @@ class Shape:
 PLAIN = Shape(0, 0, 1.0, 1.0)  # no tree: the plain loop
 
 
+def price(curve: dict[int, float], nodes: float) -> float:
+    """A pass over ``nodes`` tokens per row in plain steps, from ``curve`` (measured sizes -> plain steps): linear
+    between the two nearest sizes, and past the largest along its last segment (the tuner stops measuring once a pass
+    costs more than any tree can pay, where lookup chains still reach)."""
+    sizes = sorted(curve)
+    cost = float(numpy.interp(nodes, sizes, [curve[n] for n in sizes]))
+    if nodes > sizes[-1] and len(sizes) > 1:
+        slope = (curve[sizes[-1]] - curve[sizes[-2]]) / (sizes[-1] - sizes[-2])
+        cost += slope * (nodes - sizes[-1])
+    return cost
+
+
 class ShapePolicy:
     """Per request: the shape of each next cycle from the tree ``shapes`` (and :data:`PLAIN`), given what the cycles
     so far emitted. The first cycle takes the best shape by the tuner's estimates; ``plain_first`` (the tuner measured
-    that no tree pays at this band) makes the probes after it wait longest from the start."""
+    that no tree pays at this band) makes the probes after it wait longest from the start. ``curve``: a pass's cost in
+    plain steps by nodes per row at this batch size, to price the lookup nodes the cycles verify (None: the tuner's
+    costs as they are)."""
 
     def __init__(self, shapes: list[Shape], plain_first: bool = False, smoothing: float = SMOOTHING,
-                 probe: int = PROBE, max_probe: int = MAX_PROBE, margin: float = MARGIN, prior: float = PRIOR):
+                 probe: int = PROBE, max_probe: int = MAX_PROBE, margin: float = MARGIN, prior: float = PRIOR,
+                 curve: dict[int, float] | None = None):
         trees = [s for s in shapes if s.total_tokens > 0 and s.tau > 1]
         if not trees:
             raise ValueError("adaptation needs at least one tree shape that the tuner expects to accept tokens")
-        self.trees, self.smoothing, self.margin, self.prior = trees, smoothing, margin, prior
-        self.seen, self.weight = 0.0, 0.0  # decayed sums over tree cycles: accepted / expected, and cycles
+        self.trees, self.smoothing, self.margin, self.prior, self.curve = trees, smoothing, margin, prior, curve
+        self.seen: dict[int, float] = {0: 0.0}  # per row, decayed sums over tree cycles of accepted / expected
+        self.weight = 0.0  # decayed count of tree cycles (a batch's rows start together and only leave)
+        self.chained = 0.0  # decayed sum over tree cycles of the lookup nodes per row verified
         self.first_wait, self.max_probe = probe, max_probe
         self.wait = max_probe if plain_first else probe  # plain tokens between probes now
         self.plain_run = 0  # plain tokens since the last tree cycle
@@ -67,12 +102,22 @@ class ShapePolicy:
 
     @property
     def ratio(self) -> float:
-        """Accepted drafted tokens over the tuner's expectation, running (1 before any tree cycle)."""
-        return (self.prior + self.seen) / (self.prior + self.weight)
+        """Accepted drafted tokens over the tuner's expectation, running (1 before any tree cycle); in a batch, that
+        of the row accepting least, which sets how many cycles the batch takes."""
+        return (self.prior + min(self.seen.values())) / (self.prior + self.weight)
+
+    def cost(self, shape: Shape) -> float:
+        """Plain steps a cycle of ``shape`` is expected to take: the tuner's cost, its lookup nodes repriced at the
+        running mean of those verified (with a curve; at least a plain step)."""
+        if self.curve is None or not shape.nodes:
+            return shape.cost
+        chain = (self.prior * shape.chain + self.chained) / (self.prior + self.weight)
+        extra = price(self.curve, shape.total_tokens + 1 + chain) - price(self.curve, shape.nodes)
+        return max(shape.cost + extra, 1.0)
 
     def rate(self, shape: Shape) -> float:
         """Expected tokens per plain step's time with ``shape`` for this request."""
-        return min(1 + self.ratio * (shape.tau - 1), shape.most or shape.depth + 1) / shape.cost
+        return min(1 + self.ratio * (shape.tau - 1), shape.most or shape.depth + 1) / self.cost(shape)
 
     def best(self) -> Shape:
         return max(self.trees, key=self.rate)
@@ -81,19 +126,26 @@ class ShapePolicy:
         """The shape of the next cycle."""
         return self.current
 
-    def observe(self, shape: Shape, emitted: int) -> None:
-        """A cycle of ``shape`` emitted ``emitted`` tokens (the bonus included); choose the next shape."""
+    def observe(self, shape: Shape, emitted: int | dict[int, int], width: int | None = None) -> None:
+        """A cycle of ``shape`` emitted ``emitted`` tokens (the bonus included; a batch: row -> its tokens, the rows
+        still decoding), verifying ``width`` nodes per row (root and lookup chain included; None: as the tuner
+        expected); choose the next shape."""
         if shape is PLAIN:
             self.plain_run += 1
-            if self.plain_run >= self.wait:
-                self.current = self.best()  # a probe: one cycle of the best tree
+            best = self.best()
+            # a probe (one cycle of the best tree) after ``wait`` plain steps, or as many times the steps a losing probe
+            # costs beyond a plain one where that is more (a batch's wide passes): at most 1 / wait of the time is lost
+            if self.plain_run >= self.wait * max(1.0, self.cost(best) - 1):
+                self.current = best
             return
         after_plain = self.plain_run > 0
         probe = after_plain or self.weight == 0  # the first cycle of a request is a probe too
         self.plain_run = 0
         keep = 1 - self.smoothing
-        self.seen = keep * self.seen + (emitted - 1) / (shape.tau - 1)
+        rows = emitted if isinstance(emitted, dict) else {0: emitted}
+        self.seen = {row: keep * self.seen.get(row, 0.0) + (e - 1) / (shape.tau - 1) for row, e in rows.items()}
         self.weight = keep * self.weight + 1
+        self.chained = keep * self.chained + (shape.chain if width is None else max(width - shape.total_tokens - 1, 0))
         best = self.best()
         # hysteresis: a tree runs on while it holds plain decoding's rate within the margin, and takes over from
         # plain decoding (after a probe) only when it beats that rate by the margin

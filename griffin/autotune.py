@@ -414,8 +414,17 @@ def shapes(choice: dict, lookup: int = 0, count: int = 3, larger: int = 2) -> li
         top = min(bigger)
         rows.append(best[top])
     scale = cost_scale(choice)
-    return [Shape(r["depth"], r["total_tokens"], r["tau"], scale * r["tau"] / r["speedup"], max(r["depth"], lookup) + 1)
-            for r in rows]
+    return [Shape(r["depth"], r["total_tokens"], r["tau"], scale * r["tau"] / r["speedup"], max(r["depth"], lookup) + 1,
+                  _nodes(r)) for r in rows]
+
+
+def pass_cost(choice: dict) -> dict[int, float] | None:
+    """A batch tuning record's forward-cost curve in plain steps: nodes per row -> a pass's seconds over a one-token
+    pass's (None where the record measured none)."""
+    costs = {int(n): s for n, s in (choice.get("forward_cost_s") or {}).items()}
+    if costs.get(1, 0) <= 0:
+        return None
+    return {n: s / costs[1] for n, s in costs.items()}
 
 
 def cost_scale(choice: dict) -> float:

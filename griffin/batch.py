@@ -17,7 +17,7 @@ A batch of one never comes here (the generator runs :func:`griffin.decode.decode
 batched plain loop (:func:`griffin.plain.plain_rows_step`). Each prompt is prefilled alone, as a one-prompt generation
 prefills it. With ``lookup``, each row's tree carries its own prompt-lookup chain (:class:`BatchPromptLookup`).
 Adaptation is per batch: one :class:`griffin.adapt.ShapePolicy` over shapes priced at the batch size picks each
-cycle's shape (or a plain step of every row) from the mean tokens the rows accepted. Not batched: draft LMs.
+cycle's shape (or a plain step of every row) from what each row accepted. Not batched: draft LMs.
 """
 
 from __future__ import annotations
@@ -337,7 +337,7 @@ def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | BatchPromptL
     """prompts [P_b] -> each row's new tokens (up to and including its first EOS, at most ``budgets[b]``).
 
     ``drafter`` None: the batched plain loop. ``policy``: the batch adapts its tree shape as one request does
-    (:class:`griffin.adapt.ShapePolicy`, observing the mean tokens a cycle emitted per row): each cycle drafts the
+    (:class:`griffin.adapt.ShapePolicy`, observing the tokens a cycle emitted in each row): each cycle drafts the
     shape it asks for, or is a plain step of every row, whose tokens the drafter reads before the next tree (the
     drafter is made for the largest shape). ``stats`` counts per row and cycle (``tau``: tokens per row per target
     pass; ``prefill_s``: the prompts' prefill and first tokens, ``wall_s``: all). One host sync per cycle; rows that
@@ -408,7 +408,8 @@ def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | BatchPromptL
         if not tree_cycle:
             stats.plain_steps += b
         if shape is not None:
-            policy.observe(shape, sum(counts) / b if tree_cycle else 1)
+            width = tree.tokens.shape[1] if tree_cycle else None  # nodes per row verified
+            policy.observe(shape, dict(zip(active, counts)) if tree_cycle else 1, width)
             shape = policy.shape()
         keep = [i for i in range(b) if not stops[i]]
         if not keep:

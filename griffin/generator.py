@@ -19,7 +19,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .adapt import Shape, ShapePolicy
-from .autotune import autotune_batch, batch_tuning_record, shapes, temperature_band, tune_gamma, tuned_choice
+from .autotune import autotune_batch, batch_tuning_record, pass_cost, shapes, temperature_band, tune_gamma, tuned_choice
 from .backend import TargetBackend
 from .batch import batch_drafter, decode_rows
 from .chat_template import check_messages, prompt_ids
@@ -111,7 +111,8 @@ class SpecGenerator:
         self.adapt = True  # with a tuned tree, resize it per request from the tuner's shapes (griffin.adapt)
         self._shapes: list[Shape] = []  # the tuner's shapes for the current band (none for a fixed tree)
         self._batch_trees: dict[tuple[float, int], tuple[int, int]] = {}  # (band, batch size) -> (depth, total)
-        self._batch_shapes: dict[tuple[float, int], list[Shape]] = {}  # (band, batch size) -> shapes to adapt among
+        # (band, batch size) -> the shapes to adapt among and the forward-cost curve they are priced on
+        self._batch_shapes: dict[tuple[float, int], tuple[list[Shape], dict[int, float] | None]] = {}
 
     @classmethod
     def from_pretrained(cls, target: str | os.PathLike | PreTrainedModel = EMBEDDED_TARGET,
@@ -500,7 +501,10 @@ class SpecGenerator:
                                  "LM, or load the generator with a head")
             depth, total = self.batch_tree(len(rows), sampling.temperature)
             adapt = self.batch_shapes(len(rows), sampling.temperature)
-            policy = ShapePolicy(adapt, plain_first=total == 0) if adapt else None
+            policy = None
+            if adapt:
+                curve = self._batch_shapes[temperature_band(sampling.temperature), len(rows)][1]
+                policy = ShapePolicy(adapt, plain_first=total == 0, curve=curve)
             if adapt:  # the drafter is made for the largest shape adaptation may take
                 depth, total = max(depth, *(s.depth for s in adapt)), max(total, *(s.total_tokens for s in adapt))
             longest = max(ids.shape[0] + n for ids, n in zip(rows, budgets, strict=True))
@@ -539,15 +543,16 @@ class SpecGenerator:
 
     def batch_shapes(self, rows: int, temperature: float = 0.0) -> list[Shape]:
         """The tree shapes batches of ``rows`` prompts adapt between (none: the batch's tree stays fixed): those of
-        the batch size's tuning record (:func:`griffin.autotune.shapes`, priced at that batch size), when the tree is
-        tuned and ``adapt`` is on."""
+        the batch size's tuning record (:func:`griffin.autotune.shapes`, priced at that batch size, their lookup
+        nodes on its forward-cost curve), when the tree is tuned and ``adapt`` is on."""
         if not (self.autotuned and self.adapt) or isinstance(self.draft, DraftLM):
             return []
         key = (temperature_band(temperature), rows)
         if key not in self._batch_shapes:
             self.batch_tree(rows, temperature)  # tuned first if need be
-            self._batch_shapes[key] = shapes(batch_tuning_record(self, rows, key[0]) or {}, self.lookup)
-        return self._batch_shapes[key]
+            record = batch_tuning_record(self, rows, key[0]) or {}
+            self._batch_shapes[key] = shapes(record, self.lookup), pass_cost(record)
+        return self._batch_shapes[key][0]
 
     @one_thread_at_a_time
     def stream(self, inputs, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,

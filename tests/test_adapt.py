@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from griffin import SpecGenerator
 from griffin.adapt import PLAIN, Shape, ShapePolicy
-from griffin.autotune import cost_scale, shapes
+from griffin.autotune import cost_scale, pass_cost, shapes
 from griffin.decode import GenerationStats, decode
 from griffin.drafters import head_drafter
 from griffin.kv_cache import BufferCache
@@ -133,6 +135,48 @@ def test_the_policy_drops_to_plain_decoding_probes_with_backoff_and_comes_back()
     assert quoting.shape() is PLAIN
 
 
+def test_a_batch_decides_on_its_slowest_row():
+    """A batch takes as many cycles as its slowest row: one row accepting the whole tree while the other accepts
+    nothing does not keep the tree, where both accepting it does."""
+    split, both = ShapePolicy([BIG]), ShapePolicy([BIG])
+    for _ in range(3):
+        split.observe(BIG, {0: BIG.depth + 1, 1: 1})
+        both.observe(BIG, {0: BIG.depth + 1, 1: BIG.depth + 1})
+    assert split.shape() is PLAIN and both.shape() is BIG
+    assert split.ratio < 1 < both.ratio
+    split.observe(PLAIN, 1)
+    assert split.seen.keys() == {0, 1}  # plain steps leave the rows' ratios as they were
+    for _ in range(3):  # row 1 has finished; row 0 alone accepting all brings the tree back once probed
+        while split.shape() is PLAIN:
+            split.observe(PLAIN, 1)
+        split.observe(BIG, {0: BIG.depth + 1})
+    assert split.shape() is BIG
+
+
+def test_a_batch_prices_the_lookup_nodes_it_verifies_on_the_forward_cost_curve():
+    """A tree the tuner priced at 3 nodes per row that verifies 12 (a row's lookup chain widens every row) costs what
+    the curve says 12 nodes cost; the probes after it wait as many times longer as a probe costs plain steps beyond
+    two. Without a curve the tuner's cost stands."""
+    curve = {1: 1.0, 2: 1.1, 3: 1.2, 5: 1.6, 9: 2.4}  # plain steps by nodes per row; past 9: 0.2 per node
+    tree = Shape(1, 1, 1.5, 1.25, 11, 3.0)  # 1 head node, a chain of 1 expected: a rate of 1.2 as tuned
+    assert tree.chain == 1
+    priced, unpriced = ShapePolicy([tree], curve=curve), ShapePolicy([tree])
+    assert priced.cost(tree) == unpriced.cost(tree) == 1.25 and priced.rate(tree) == pytest.approx(1.2)
+    for policy in (priced, unpriced):
+        policy.observe(tree, 2, width=12)  # accepted as expected, through a chain of 10
+    assert unpriced.cost(tree) == 1.25 and unpriced.shape() is tree
+    chain = (1 + 10) / 2  # the prior's chain and the observed one
+    assert priced.cost(tree) == pytest.approx(1.25 + (1.6 + 0.2 * (2 + chain - 5)) - 1.2)
+    assert priced.shape() is PLAIN
+    for _ in range(3):
+        priced.observe(tree, 2, width=12)
+    steps = 0
+    while priced.shape() is PLAIN:
+        priced.observe(PLAIN, 1)
+        steps += 1
+    assert priced.cost(tree) > 2 and steps == math.ceil(priced.wait * (priced.cost(tree) - 1)) > priced.wait
+
+
 def test_adapting_generations_match_generate_and_change_nothing_cached(tmp_path, monkeypatch):
     """With the tuner's shapes set, generate adapts by itself (an untrained head accepts little: it drops to the
     plain loop and probes); the output is still generate's, and the shapes are per request."""
@@ -182,5 +226,7 @@ def test_shapes_cost_what_the_check_measured():
     for shape in got:
         row = rows[shape.depth, shape.total_tokens]
         assert shape.cost == pytest.approx(1.3 * row["tau"] / row["speedup"])
+    assert pass_cost(record) is None  # a one-prompt record has no batch curve
+    assert pass_cost({"forward_cost_s": {"1": 0.02, "5": 0.03, "9": 0.05}}) == {1: 1.0, 5: 1.5, 9: 2.5}
     unchecked = shapes({k: v for k, v in record.items() if k != "measured_speedup_over_plain"})
     assert unchecked[0].cost == pytest.approx(rows[2, 8]["tau"] / rows[2, 8]["speedup"])
