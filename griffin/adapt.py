@@ -39,6 +39,7 @@ SMOOTHING = 0.1  # each tree cycle weighs 1 - SMOOTHING times the next one in th
 PRIOR = 1.0  # the tuner's expectation counts as this many cycles in the running ratio
 PROBE, MAX_PROBE = 4, 32  # plain tokens before a tree is tried again, at first and at most
 MARGIN = 0.03  # the hysteresis around plain decoding's rate: a tree is left below 1 - MARGIN, retaken above 1 + MARGIN
+PROBE_EXCESS = 1.0  # plain steps a batch's probe may cost beyond what it is expected to give (see probe_excess)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,17 @@ def price(curve: dict[int, float], nodes: float) -> float:
         slope = (curve[sizes[-1]] - curve[sizes[-2]]) / (sizes[-1] - sizes[-2])
         cost += slope * (nodes - sizes[-1])
     return cost
+
+
+def probe_excess(shape: Shape, curve: dict[int, float] | None, lookup: int) -> float:
+    """Plain steps a cycle of ``shape`` costs beyond the tokens the tuner expects it to give when every row verifies
+    a full lookup chain of ``lookup`` tokens (in a batch, the common case: one row's match widens every row). Where
+    the tuner kept no tree at a batch size, a probe gives about that and a request that accepts no more than the
+    tuner's pays it on every probe: batches adapt there only while it is at most :data:`PROBE_EXCESS`."""
+    cost = shape.cost
+    if curve is not None and shape.nodes:
+        cost += price(curve, shape.total_tokens + 1 + lookup) - price(curve, shape.nodes)
+    return cost - shape.tau
 
 
 class ShapePolicy:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .adapt import Shape, ShapePolicy
+from .adapt import PROBE_EXCESS, Shape, ShapePolicy, probe_excess
 from .autotune import autotune_batch, batch_tuning_record, pass_cost, shapes, temperature_band, tune_gamma, tuned_choice
 from .backend import TargetBackend
 from .batch import batch_drafter, decode_rows
@@ -542,16 +542,22 @@ class SpecGenerator:
         return self._batch_trees[key]
 
     def batch_shapes(self, rows: int, temperature: float = 0.0) -> list[Shape]:
-        """The tree shapes batches of ``rows`` prompts adapt between (none: the batch's tree stays fixed): those of
-        the batch size's tuning record (:func:`griffin.autotune.shapes`, priced at that batch size, their lookup
-        nodes on its forward-cost curve), when the tree is tuned and ``adapt`` is on."""
+        """The tree shapes batches of ``rows`` prompts adapt between, with plain steps (none: the batch's tree stays
+        fixed), when the tree is tuned and ``adapt`` is on: the tree of the batch size's tuning record, priced at that
+        size (:func:`griffin.autotune.shapes`; its lookup nodes on the record's forward-cost curve). Where the record
+        kept no tree, its best estimate, unless a probe of it costs more than :data:`griffin.adapt.PROBE_EXCESS`
+        plain steps beyond what it gives (:func:`griffin.adapt.probe_excess`). One shape: larger trees for requests
+        that accept more cost a batch more than they gave (``benchmarks/results/batch-adapt/``)."""
         if not (self.autotuned and self.adapt) or isinstance(self.draft, DraftLM):
             return []
         key = (temperature_band(temperature), rows)
         if key not in self._batch_shapes:
-            self.batch_tree(rows, temperature)  # tuned first if need be
+            kept = self.batch_tree(rows, temperature)[1] > 0  # tuned first if need be
             record = batch_tuning_record(self, rows, key[0]) or {}
-            self._batch_shapes[key] = shapes(record, self.lookup), pass_cost(record)
+            found, curve = shapes(record, self.lookup, count=1, larger=0), pass_cost(record)
+            if found and not kept and probe_excess(found[0], curve, self.lookup) > PROBE_EXCESS:
+                found = []  # no tree pays at this size and a probe loses more than a plain step: the plain loop
+            self._batch_shapes[key] = found, curve
         return self._batch_shapes[key][0]
 
     @one_thread_at_a_time

@@ -7,11 +7,12 @@ import math
 import pytest
 import torch
 
-from griffin import SpecGenerator
-from griffin.adapt import PLAIN, Shape, ShapePolicy
+from griffin import SpecGenerator, autotune
+from griffin.adapt import PLAIN, Shape, ShapePolicy, probe_excess
 from griffin.autotune import cost_scale, pass_cost, shapes
 from griffin.decode import GenerationStats, decode
 from griffin.drafters import head_drafter
+from griffin.io import write_cached
 from griffin.kv_cache import BufferCache
 from griffin.sampling import SamplingConfig
 from tests.conftest import pooled_chisquare, tiny_model
@@ -175,6 +176,30 @@ def test_a_batch_prices_the_lookup_nodes_it_verifies_on_the_forward_cost_curve()
         priced.observe(PLAIN, 1)
         steps += 1
     assert priced.cost(tree) > 2 and steps == math.ceil(priced.wait * (priced.cost(tree) - 1)) > priced.wait
+
+
+def test_batches_adapt_on_one_tree_and_not_where_a_probe_loses_more_than_a_plain_step(tmp_path, monkeypatch):
+    """A batch adapts between plain steps and one tree: the one its size's record kept or, where it kept none, its best
+    estimate, but only while a probe at a full lookup chain costs at most PROBE_EXCESS plain steps beyond its tokens."""
+    monkeypatch.setenv("GRIFFIN_CACHE", str(tmp_path))
+    target = tiny_model("qwen2", vocab_size=80, seed=4)
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=3, top_k=4, total_tokens=10, lookup=8)
+    gen.autotuned = True
+    candidates = [{"depth": d, "total_tokens": n, "tau": 1.4 + 0.05 * n, "speedup": 1.0 - 0.02 * n, "nodes": n + 2.0}
+                  for d in (1, 2) for n in (1, 2, 4)]
+    flat = {"1": 0.010, "4": 0.011, "12": 0.014}  # a wide pass nearly free: probes cost little
+    steep = {"1": 0.010, "4": 0.016, "12": 0.035}
+    cases = {2: (0, flat, [(1, 1)]), 4: (0, steep, []), 8: (2, steep, [(1, 2)])}
+    for rows, (kept, curve, want) in cases.items():
+        gen._batch_trees[0.0, rows] = (1, kept) if kept else (0, 0)
+        record = {"rows": rows, "depth": 1 if kept else 0, "total_tokens": kept, "top_k": 4, "candidates": candidates,
+                  "forward_cost_s": curve, "best_estimate": {"depth": 1, "total_tokens": 1}}
+        write_cached(autotune._batch_path(gen, rows, 0.0), record, "batch tuning record")
+        got = gen.batch_shapes(rows)
+        assert [(s.depth, s.total_tokens) for s in got] == want, rows
+    shape, steep_curve = Shape(1, 1, 1.45, 1.55, 9, 3.0), {1: 1.0, 4: 1.6, 12: 3.5}
+    assert probe_excess(shape, steep_curve, 8) == pytest.approx(1.55 + (1.6 + 0.75 * 1.9) - 1.4 - 1.45)  # 10 nodes
+    assert probe_excess(shape, None, 8) == pytest.approx(0.1)
 
 
 def test_adapting_generations_match_generate_and_change_nothing_cached(tmp_path, monkeypatch):
