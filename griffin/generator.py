@@ -502,10 +502,9 @@ class SpecGenerator:
             depth, total = self.batch_tree(len(rows), sampling.temperature)
             adapt = self.batch_shapes(len(rows), sampling.temperature)
             policy = None
-            if adapt:
+            if adapt:  # the drafter is made for the largest shape adaptation may take
                 curve = self._batch_shapes[temperature_band(sampling.temperature), len(rows)][1]
                 policy = ShapePolicy(adapt, plain_first=total == 0, curve=curve)
-            if adapt:  # the drafter is made for the largest shape adaptation may take
                 depth, total = max(depth, *(s.depth for s in adapt)), max(total, *(s.total_tokens for s in adapt))
             longest = max(ids.shape[0] + n for ids, n in zip(rows, budgets, strict=True))
             if any(w is not None and w < longest + total + 1 for w in attention_windows(self.target.config)):
@@ -543,11 +542,13 @@ class SpecGenerator:
 
     def batch_shapes(self, rows: int, temperature: float = 0.0) -> list[Shape]:
         """The tree shapes batches of ``rows`` prompts adapt between, with plain steps (none: the batch's tree stays
-        fixed), when the tree is tuned and ``adapt`` is on: the tree of the batch size's tuning record, priced at that
-        size (:func:`griffin.autotune.shapes`; its lookup nodes on the record's forward-cost curve). Where the record
-        kept no tree, its best estimate, unless a probe of it costs more than :data:`griffin.adapt.PROBE_EXCESS`
-        plain steps beyond what it gives (:func:`griffin.adapt.probe_excess`). One shape: larger trees for requests
-        that accept more cost a batch more than they gave (``benchmarks/results/batch-adapt/``)."""
+        fixed), when the tree is tuned and ``adapt`` is on. Only where the batch size's tuning record kept no tree:
+        its best estimate, priced at that size (:func:`griffin.autotune.shapes`; its lookup nodes on the record's
+        forward-cost curve), unless a probe of it costs more than :data:`griffin.adapt.PROBE_EXCESS` plain steps
+        beyond what it gives (:func:`griffin.adapt.probe_excess`). A batch decides on its slowest row, so adapting
+        around a tree that the tuner measured paying drops it whenever one row's acceptance dips, and larger trees
+        for requests that accept more cost a batch more than they give: both lost
+        (``benchmarks/results/batch-adapt/``)."""
         if not (self.autotuned and self.adapt) or isinstance(self.draft, DraftLM):
             return []
         key = (temperature_band(temperature), rows)
@@ -555,8 +556,8 @@ class SpecGenerator:
             kept = self.batch_tree(rows, temperature)[1] > 0  # tuned first if need be
             record = batch_tuning_record(self, rows, key[0]) or {}
             found, curve = shapes(record, self.lookup, count=1, larger=0), pass_cost(record)
-            if found and not kept and probe_excess(found[0], curve, self.lookup) > PROBE_EXCESS:
-                found = []  # no tree pays at this size and a probe loses more than a plain step: the plain loop
+            if kept or (found and probe_excess(found[0], curve, self.lookup) > PROBE_EXCESS):
+                found = []
             self._batch_shapes[key] = found, curve
         return self._batch_shapes[key][0]
 
