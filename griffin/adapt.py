@@ -16,12 +16,13 @@ a probe costs more than two plain steps, the wait is that many times longer, so 
 than ``1 / probe`` of the time.
 
 A batch (:func:`griffin.batch.decode_rows`) verifies in each row as many prompt-lookup nodes as the row that found the
-longest match, so at large batch sizes, where a pass's cost grows with its width, a cycle can cost far more than the
-tuner's per-request estimate (``benchmarks/results/batch-adapt/``). Given the forward-cost curve measured at the batch
-size (``curve``), the policy keeps a running mean of the lookup nodes per row the tree cycles verified, beside the
-acceptance ratio, and prices each shape at it. A batch takes as many cycles as its slowest row needs, and where most
-of a pass's cost is fixed (reading the weights) tokens accepted in the other rows save little, so a batch keeps the
-acceptance ratio per row and decides on the lowest.
+longest match, so at large batch sizes, where a pass's cost grows with its width (in fp32 at batch 8 on the Xeon, 8
+tokens per row cost 2.14x one: ``benchmarks/results/pass-cost.md``), a cycle can cost far more than the tuner's
+per-request estimate. Given the forward-cost curve measured at the batch size (``curve``), the policy keeps a running
+mean of the lookup nodes per row the tree cycles verified, beside the acceptance ratio, and prices each shape at it.
+A batch takes as many cycles as its slowest row needs, and where most of a pass's cost is fixed (reading the weights)
+tokens accepted in the other rows save little, so a batch keeps the acceptance ratio per row and decides on the
+lowest. Which batches adapt at all: :meth:`griffin.SpecGenerator.batch_shapes`.
 
 Decisions use token counts and the tuner's cost table only, never the clock: the same request with the same seed
 takes the same shapes and gives the same output on a machine. Every shape is verified losslessly, so the output is
