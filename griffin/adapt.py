@@ -41,6 +41,9 @@ PRIOR = 1.0  # the tuner's expectation counts as this many cycles in the running
 PROBE, MAX_PROBE = 4, 32  # plain tokens before a tree is tried again, at first and at most
 MARGIN = 0.03  # the hysteresis around plain decoding's rate: a tree is left below 1 - MARGIN, retaken above 1 + MARGIN
 PROBE_EXCESS = 1.0  # plain steps a batch's probe may cost beyond what it is expected to give (see probe_excess)
+# the largest batch that adapts where its tuner kept no tree: on the Xeon, adapting paid at batch 2 (MT-Bench second
+# turns, 1.17x) and not at 4 (first turns 0.91x, second turns 0.99x in fp32), benchmarks/results/batch-adapt/
+ADAPT_ROWS = 2
 
 
 @dataclass(frozen=True)

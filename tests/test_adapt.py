@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from griffin import SpecGenerator, autotune
-from griffin.adapt import PLAIN, Shape, ShapePolicy, probe_excess
+from griffin.adapt import ADAPT_ROWS, PLAIN, Shape, ShapePolicy, probe_excess
 from griffin.autotune import cost_scale, pass_cost, shapes
 from griffin.decode import GenerationStats, decode
 from griffin.drafters import head_drafter
@@ -179,9 +179,9 @@ def test_a_batch_prices_the_lookup_nodes_it_verifies_on_the_forward_cost_curve()
 
 
 def test_batches_adapt_on_one_tree_where_none_was_kept_and_a_probe_loses_at_most_a_plain_step(tmp_path, monkeypatch):
-    """A batch adapts between plain steps and one tree only where its size's record kept none: the record's best
-    estimate, while a probe at a full lookup chain costs at most PROBE_EXCESS plain steps beyond its tokens. A kept
-    tree stays fixed."""
+    """A batch of at most ADAPT_ROWS adapts between plain steps and one tree only where its size's record kept none:
+    the record's best estimate, while a probe at a full lookup chain costs at most PROBE_EXCESS plain steps beyond its
+    tokens. A kept tree stays fixed."""
     monkeypatch.setenv("GRIFFIN_CACHE", str(tmp_path))
     target = tiny_model("qwen2", vocab_size=80, seed=4)
     gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=3, top_k=4, total_tokens=10, lookup=8)
@@ -190,9 +190,9 @@ def test_batches_adapt_on_one_tree_where_none_was_kept_and_a_probe_loses_at_most
                   for d in (1, 2) for n in (1, 2, 4)]
     flat = {"1": 0.010, "4": 0.011, "12": 0.014}  # a wide pass nearly free: probes cost little
     steep = {"1": 0.010, "4": 0.016, "12": 0.035}
-    cases = {2: (0, flat, [(1, 1)]), 4: (0, steep, []), 8: (2, flat, [])}
-    for rows, (kept, curve, want) in cases.items():
-        gen._batch_trees[0.0, rows] = (1, kept) if kept else (0, 0)
+    cases = [(2, 0, flat, [(1, 1)]), (2, 0, steep, []), (ADAPT_ROWS + 1, 0, flat, []), (2, 2, flat, [])]
+    for rows, kept, curve, want in cases:
+        gen._batch_trees[0.0, rows], gen._batch_shapes = ((1, kept) if kept else (0, 0)), {}
         record = {"rows": rows, "depth": 1 if kept else 0, "total_tokens": kept, "top_k": 4, "candidates": candidates,
                   "forward_cost_s": curve, "best_estimate": {"depth": 1, "total_tokens": 1}}
         write_cached(autotune._batch_path(gen, rows, 0.0), record, "batch tuning record")
