@@ -542,22 +542,21 @@ class SpecGenerator:
 
     def batch_shapes(self, rows: int, temperature: float = 0.0) -> list[Shape]:
         """The tree shapes batches of ``rows`` prompts adapt between, with plain steps (none: the batch's tree stays
-        fixed), when the tree is tuned and ``adapt`` is on. Only at batch sizes up to :data:`griffin.adapt.ADAPT_ROWS`
-        and only where the batch size's tuning record kept no tree:
-        its best estimate, priced at that size (:func:`griffin.autotune.shapes`; its lookup nodes on the record's
-        forward-cost curve), unless a probe of it costs more than :data:`griffin.adapt.PROBE_EXCESS` plain steps
-        beyond what it gives (:func:`griffin.adapt.probe_excess`). A batch decides on its slowest row, so adapting
-        around a tree that the tuner measured paying drops it whenever one row's acceptance dips, and larger trees
-        for requests that accept more cost a batch more than they give: both lost
-        (``benchmarks/results/batch-adapt/``)."""
-        if not (self.autotuned and self.adapt) or isinstance(self.draft, DraftLM):
+        fixed), when the tree is tuned and ``adapt`` is on: up to :data:`griffin.adapt.ADAPT_ROWS` rows and only where
+        the batch size's tuning record kept no tree, its best estimate, priced at that size
+        (:func:`griffin.autotune.shapes`; its lookup nodes on the record's forward-cost curve), unless a probe of it
+        costs more than :data:`griffin.adapt.PROBE_EXCESS` plain steps beyond what it gives
+        (:func:`griffin.adapt.probe_excess`). A batch decides on its slowest row, so adapting around a tree that the
+        tuner measured paying drops it whenever one row's acceptance dips, and larger trees for requests that accept
+        more cost a batch more than they give: both lost (``benchmarks/results/batch-adapt/``)."""
+        if not (self.autotuned and self.adapt) or isinstance(self.draft, DraftLM) or rows > ADAPT_ROWS:
             return []
         key = (temperature_band(temperature), rows)
         if key not in self._batch_shapes:
             kept = self.batch_tree(rows, temperature)[1] > 0  # tuned first if need be
             record = batch_tuning_record(self, rows, key[0]) or {}
             found, curve = shapes(record, self.lookup, count=1, larger=0), pass_cost(record)
-            if kept or rows > ADAPT_ROWS or (found and probe_excess(found[0], curve, self.lookup) > PROBE_EXCESS):
+            if kept or (found and probe_excess(found[0], curve, self.lookup) > PROBE_EXCESS):
                 found = []
             self._batch_shapes[key] = found, curve
         return self._batch_shapes[key][0]
