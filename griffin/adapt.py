@@ -11,9 +11,9 @@ best shape while its rate stays above plain decoding's (rate 1) less ``MARGIN``,
 below; a tree takes over again when it beats rate 1 by ``MARGIN``. The first cycle of a request runs the best tree
 whatever the tuner expected (the tuner's generic requests can undervalue a request by far: MT-Bench's second turns
 accept twice what they do). While decoding plainly it learns nothing about acceptance, so it probes: after ``probe``
-plain tokens one cycle runs the best tree, and each probe that still loses doubles the wait (up to ``max_probe``); where
-a probe costs more than two plain steps, the wait is that many times longer, so that losing probes never cost more
-than ``1 / probe`` of the time.
+plain tokens one cycle runs the best tree, and each probe that still loses doubles the wait (up to ``max_probe``).
+Where a probe costs more than two plain steps, the wait is multiplied by what a losing probe costs beyond a plain step
+(``cost - 1``), so that losing probes never take more than ``1 / wait`` of the time.
 
 A batch (:func:`griffin.batch.decode_rows`) verifies in each row as many prompt-lookup nodes as the row that found the
 longest match, so at large batch sizes, where a pass's cost grows with its width (in fp32 at batch 8 on the Xeon, 8
