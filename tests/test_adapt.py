@@ -156,8 +156,8 @@ def test_a_batch_decides_on_its_slowest_row():
 
 def test_a_batch_prices_the_lookup_nodes_it_verifies_on_the_forward_cost_curve():
     """A tree the tuner priced at 3 nodes per row that verifies 12 (a row's lookup chain widens every row) costs what
-    the curve says 12 nodes cost; the probes after it wait as many times longer as a probe costs plain steps beyond
-    two. Without a curve the tuner's cost stands."""
+    the curve says 12 nodes cost; the wait before a probe is multiplied by what a losing probe costs beyond a plain
+    step. Without a curve the tuner's cost stands."""
     curve = {1: 1.0, 2: 1.1, 3: 1.2, 5: 1.6, 9: 2.4}  # plain steps by nodes per row; past 9: 0.2 per node
     tree = Shape(1, 1, 1.5, 1.25, 11, 3.0)  # 1 head node, a chain of 1 expected: a rate of 1.2 as tuned
     assert tree.chain == 1
