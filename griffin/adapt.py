@@ -83,15 +83,20 @@ def price(curve: dict[int, float], nodes: float) -> float:
     return cost
 
 
+def repriced(shape: Shape, curve: dict[int, float] | None, chain: float) -> float:
+    """Plain steps a cycle of ``shape`` costs when each row verifies ``chain`` lookup nodes: the tuner's cost, its
+    lookup nodes moved along ``curve`` (None: the tuner's cost as it is)."""
+    if curve is None or not shape.nodes:
+        return shape.cost
+    return shape.cost + (price(curve, shape.total_tokens + 1 + chain) - price(curve, shape.nodes))
+
+
 def probe_excess(shape: Shape, curve: dict[int, float] | None, lookup: int) -> float:
     """Plain steps a cycle of ``shape`` costs beyond the tokens the tuner expects it to give when every row verifies
     a full lookup chain of ``lookup`` tokens (in a batch, the common case: one row's match widens every row). Where
     the tuner kept no tree at a batch size, a probe gives about that and a request that accepts no more than the
     tuner's pays it on every probe: batches adapt there only while it is at most :data:`PROBE_EXCESS`."""
-    cost = shape.cost
-    if curve is not None and shape.nodes:
-        cost += price(curve, shape.total_tokens + 1 + lookup) - price(curve, shape.nodes)
-    return cost - shape.tau
+    return repriced(shape, curve, lookup) - shape.tau
 
 
 class ShapePolicy:
@@ -128,8 +133,7 @@ class ShapePolicy:
         if self.curve is None or not shape.nodes:
             return shape.cost
         chain = (self.prior * shape.chain + self.chained) / (self.prior + self.weight)
-        extra = price(self.curve, shape.total_tokens + 1 + chain) - price(self.curve, shape.nodes)
-        return max(shape.cost + extra, 1.0)
+        return max(repriced(shape, self.curve, chain), 1.0)
 
     def rate(self, shape: Shape) -> float:
         """Expected tokens per plain step's time with ``shape`` for this request."""
@@ -148,11 +152,12 @@ class ShapePolicy:
         expected); choose the next shape."""
         if shape is PLAIN:
             self.plain_run += 1
-            best = self.best()
-            # a probe (one cycle of the best tree) after ``wait`` plain steps, or as many times the steps a losing probe
-            # costs beyond a plain one where that is more (a batch's wide passes): at most 1 / wait of the time is lost
-            if self.plain_run >= self.wait * max(1.0, self.cost(best) - 1):
-                self.current = best
+            if self.plain_run >= self.wait:
+                best = self.best()
+                # a probe (one cycle of the best tree) after ``wait`` plain steps, or that many times what a losing
+                # probe costs beyond a plain step where that is more (a batch's wide passes): at most 1 / wait is lost
+                if self.plain_run >= self.wait * max(1.0, self.cost(best) - 1):
+                    self.current = best
             return
         after_plain = self.plain_run > 0
         probe = after_plain or self.weight == 0  # the first cycle of a request is a probe too

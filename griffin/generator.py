@@ -500,12 +500,10 @@ class SpecGenerator:
                 raise ValueError("batched generation drafts with a head: generate one prompt at a time with a draft "
                                  "LM, or load the generator with a head")
             depth, total = self.batch_tree(len(rows), sampling.temperature)
-            adapt = self.batch_shapes(len(rows), sampling.temperature)
-            policy = None
-            if adapt:  # the drafter is made for the largest shape adaptation may take
-                curve = self._batch_shapes[temperature_band(sampling.temperature), len(rows)][1]
-                policy = ShapePolicy(adapt, plain_first=total == 0, curve=curve)
-                depth, total = max(depth, *(s.depth for s in adapt)), max(total, *(s.total_tokens for s in adapt))
+            policy = self.batch_policy(len(rows), sampling.temperature)
+            if policy is not None:  # the drafter is made for the largest shape adaptation may take
+                depth = max(depth, *(s.depth for s in policy.trees))
+                total = max(total, *(s.total_tokens for s in policy.trees))
             longest = max(ids.shape[0] + n for ids, n in zip(rows, budgets, strict=True))
             if any(w is not None and w < longest + total + 1 for w in attention_windows(self.target.config)):
                 raise ValueError("this target's sliding-window layers are not batched yet: generate one prompt at a "
@@ -560,6 +558,13 @@ class SpecGenerator:
                 found = []
             self._batch_shapes[key] = found, curve
         return self._batch_shapes[key][0]
+
+    def batch_policy(self, rows: int, temperature: float = 0.0) -> ShapePolicy | None:
+        """A new policy over :meth:`batch_shapes` priced on their record's forward-cost curve (None: no adaptation).
+        Batches adapt only where their tuner kept no tree, so its probes start at the longest wait."""
+        found = self.batch_shapes(rows, temperature)
+        curve = self._batch_shapes[temperature_band(temperature), rows][1] if found else None
+        return ShapePolicy(found, plain_first=True, curve=curve) if found else None
 
     @one_thread_at_a_time
     def stream(self, inputs, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
