@@ -146,6 +146,13 @@ class ShapePolicy:
         """The shape of the next cycle."""
         return self.current
 
+    @property
+    def probing(self) -> bool:
+        """Whether the next cycle is a probe: a tree after plain steps, or the request's first cycle. A batch runs a
+        plain step instead where its drafter sees no use for a tree now (:meth:`griffin.batch.BatchPromptLookup.
+        promising`), and the policy observes that step as any other."""
+        return self.current is not PLAIN and (self.plain_run > 0 or self.weight == 0)
+
     def observe(self, shape: Shape, emitted: int | dict[int, int], width: int | None = None) -> None:
         """A cycle of ``shape`` emitted ``emitted`` tokens (the bonus included; a batch: row -> its tokens, the rows
         still decoding), verifying ``width`` nodes per row (root and lookup chain included; None: as the tuner

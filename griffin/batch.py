@@ -106,6 +106,7 @@ class BatchHeadDrafter:
         self.lengths: list[int] = []  # each row's draft entries, on the host (the cache's slots to keep)
         self.offsets: torch.Tensor | None = None  # [B] the same on the device, moved there by device counts
         self.last: DraftOutput | None = None  # the head's output at each row's last position, [B, 1, ..]
+        self.unread: list[tuple[torch.Tensor, torch.Tensor]] = []  # plain steps' tokens [B, 1], features [B, 1, H]
 
     @torch.inference_mode()
     def start(self, prompts: list[torch.Tensor], hidden: list[torch.Tensor], tokens: torch.Tensor) -> None:
@@ -117,6 +118,7 @@ class BatchHeadDrafter:
         features = torch.stack([F.pad(h, (0, 0, 0, longest - h.shape[0])) for h in hidden])  # [B, P, H]
         self.vocab.add(inputs.flatten())
         self.lengths = [p.shape[0] for p in prompts]
+        self.unread = []
         self.cache.length = 0
         cache = self.cache  # rows that finished at their first token never reach the drafter
         cache.keys, cache.values = cache.keys[: len(prompts)], cache.values[: len(prompts)]
@@ -143,9 +145,23 @@ class BatchHeadDrafter:
         visible = torch.arange(self.cache.length, device=self.offsets.device)[None, :] < self.offsets[:, None]
         return visible[:, None, :].expand(-1, queries, -1)
 
+    def read(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        """A plain step of every row emitted ``tokens`` [B, 1] from ``features`` [B, 1, H]: kept until the next tree,
+        which reads every plain step since the last one in one head pass."""
+        self.unread.append((tokens, features))
+
+    def promising(self) -> bool:
+        """Whether a probe may pay now: a head has no evidence short of drafting, so always."""
+        return True
+
     @torch.inference_mode()
     def propose(self, roots: torch.Tensor) -> Tree:
         """B trees below ``roots`` [B] (each row's newest token), with tensor operations only."""
+        if self.unread:
+            n, b = len(self.unread), roots.shape[0]
+            tokens, features = (torch.cat(parts, dim=1) for parts in zip(*self.unread, strict=True))
+            self.unread = []
+            self.accept(tokens, features, [n] * b, torch.full((b,), n, device=roots.device))
         k, b, device = self.top_k, roots.shape[0], roots.device
         vocab, end = self.vocab, self.cache.length
         logp = F.log_softmax(vocab.logits(self.last.predict[:, -1]).float(), dim=-1)  # [B, V_d]
@@ -208,6 +224,7 @@ class BatchHeadDrafter:
     def select(self, rows: list[int]) -> None:
         """Keep only ``rows``."""
         keep = torch.tensor(rows, device=self.cache.keys.device)
+        self.unread = [(t[keep], f[keep]) for t, f in self.unread]
         self.cache.keys, self.cache.values = self.cache.keys[keep], self.cache.values[keep]
         self.last = self.last._replace(predict=self.last.predict[keep], regress=self.last.regress[keep])
         self.lengths = [self.lengths[r] for r in rows]
@@ -238,6 +255,18 @@ class BatchPromptLookup:
         for context, ids, token in zip(self.contexts, prompts, tokens, strict=True):
             context.reset(torch.cat((ids, token[None])))
         self.inner.start(prompts, hidden, tokens)
+
+    def read(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        for context, row in zip(self.contexts, tokens, strict=True):
+            context.append(row)
+        self.inner.read(tokens, features)
+
+    def promising(self) -> bool:
+        """Whether a probe may pay now: every row's context repeats its last n-gram, so that every row's chain has
+        something to copy (a batch takes as many cycles as its slowest row, and where its size's tuner kept no tree,
+        the head's tree alone does not pay). Only with ``trim``: elsewhere reading the contexts would cost a host sync
+        per row, so a probe always runs."""
+        return not self.trim or all(bool(context.lookup(1, self.ngrams)[1][0]) for context in self.contexts)
 
     def propose(self, roots: torch.Tensor) -> Tree:
         found = [context.lookup(self.tokens, self.ngrams) for context in self.contexts]
@@ -290,6 +319,12 @@ class BatchOracle:
     def accept(self, tokens: torch.Tensor, hidden: torch.Tensor, counts: list[int], device_counts: torch.Tensor
                ) -> None:
         self.done = [n + c for n, c in zip(self.done, counts, strict=True)]
+
+    def read(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        self.done = [n + 1 for n in self.done]
+
+    def promising(self) -> bool:
+        return True
 
     def select(self, rows: list[int]) -> None:
         self.rows, self.done = [self.rows[r] for r in rows], [self.done[r] for r in rows]
@@ -370,25 +405,21 @@ def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | BatchPromptL
         drafter.start([prompts[r] for r in active], [hidden[r] for r in active], tokens)
     remaining = torch.tensor([budgets[r] - 1 for r in active], device=device)  # [B] on the device from here on
     shape = policy.shape() if policy is not None and drafter is not None else None
-    unread: list[tuple[torch.Tensor, torch.Tensor]] = []  # plain steps' tokens [B, 1] and features [B, 1, H] unread
     while True:
         b = len(active)
         tree_cycle = drafter is not None and shape is not PLAIN
+        if tree_cycle and shape is not None and policy.probing:  # a probe runs only where the drafter sees a use
+            tree_cycle = drafter.promising()
         if not tree_cycle:
             tokens, features = plain_rows_step(backend, cache, tokens, sampling, generator)
             counts, stops = torch.ones_like(tokens), torch.isin(tokens, eos) | (remaining == 1)
             emitted = tokens[:, None]
             if drafter is not None:
-                unread.append((emitted, features))
+                drafter.read(emitted, features)
         else:
             if shape is not None:
                 drafter.resize(shape.depth, shape.total_tokens)
                 stats.shapes[shape.name] = stats.shapes.get(shape.name, 0) + 1
-            if unread:  # the plain steps since the last tree: the drafter reads them at once
-                n = len(unread)
-                drafter.accept(torch.cat([t for t, _ in unread], dim=1), torch.cat([f for _, f in unread], dim=1),
-                               [n] * b, torch.full((b,), n, device=device))
-                unread.clear()
             end = cache.end
             tree = drafter.propose(tokens)
             positions = cache.positions(device)[:, None] + tree.depths
@@ -409,7 +440,7 @@ def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | BatchPromptL
             stats.plain_steps += b
         if shape is not None:
             width = tree.tokens.shape[1] if tree_cycle else None  # nodes per row verified
-            policy.observe(shape, dict(zip(active, counts)) if tree_cycle else 1, width)
+            policy.observe(shape if tree_cycle else PLAIN, dict(zip(active, counts)) if tree_cycle else 1, width)
             shape = policy.shape()
         keep = [i for i in range(b) if not stops[i]]
         if not keep:
@@ -421,7 +452,6 @@ def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | BatchPromptL
             emitted, index, remaining, device_counts = emitted[rows], index[rows], remaining[rows], device_counts[rows]
             if drafter is not None:
                 drafter.select(keep)
-                unread = [(t[rows], f[rows]) for t, f in unread]
             if tree_cycle:
                 path, features = path[rows], features[rows]
         tokens = emitted.gather(1, index[:, None])[:, 0]
