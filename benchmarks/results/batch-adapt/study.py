@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/results/batch-adapt/study.py
     OMP_NUM_THREADS=1 python benchmarks/results/batch-adapt/study.py --rows 4 --turn 1 --prompts 32
+    OMP_NUM_THREADS=1 python benchmarks/results/batch-adapt/study.py --rows 4 --turn 1 --prompts 32 --adapt-rows 4
 
 MT-Bench second turns (the first 16 questions, after our batched plain loop's greedy first answer of at most 256
 tokens), batch 2, 64 new tokens, greedy, fp32 and bf16, each row's lookup chain of 10. One generator, reading the
@@ -10,7 +11,8 @@ for the whole call); one instance, so that both ways share its weights in memory
 both ways in turn, the order alternating from group to group; in fp32 the outputs must be identical (in bf16 a pass
 over other tokens may round a near-tie apart, so there they are counted). Where adaptation is off at a batch size,
 both ways run the same code: the row measures the noise. Writes ``study.json`` and ``study.md`` beside this file
-(other settings: ``study-<rows>-turn<turn>.*``).
+(other settings: ``study-<rows>-turn<turn>.*``). ``--adapt-rows N`` lets batches of up to N rows adapt
+(:data:`griffin.adapt.ADAPT_ROWS` for this run; files ``...-adapt<N>.*``), to measure a rule before it is made.
 """
 
 import argparse
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+import griffin.generator
 from griffin import SpecGenerator
 from griffin.batch import decode_rows
 from griffin.decode import GenerationStats
@@ -33,10 +36,14 @@ parser.add_argument("--rows", type=int, default=2)
 parser.add_argument("--turn", type=int, choices=[1, 2], default=2)
 parser.add_argument("--prompts", type=int, default=16)
 parser.add_argument("--dtypes", default="fp32,bf16")
+parser.add_argument("--adapt-rows", type=int, default=None, help="largest batch that adapts (default: the library's)")
 ARGS = parser.parse_args()
+if ARGS.adapt_rows is not None:
+    griffin.generator.ADAPT_ROWS = ARGS.adapt_rows
 ROWS, NEW, PROMPTS, ANSWER, TURN = ARGS.rows, 64, ARGS.prompts, 256, ARGS.turn
 HERE = Path(__file__).parent
 STEM = "study" if (ROWS, TURN) == (2, 2) else f"study-{ROWS}-turn{TURN}"
+STEM += "" if ARGS.adapt_rows is None else f"-adapt{ARGS.adapt_rows}"
 
 
 def second_turns(gen: SpecGenerator) -> list[torch.Tensor]:
@@ -85,6 +92,7 @@ def run(dtype: str) -> dict:
 runs = [run(dtype) for dtype in ARGS.dtypes.split(",")]
 argv = "" if STEM == "study" else f" --rows {ROWS} --turn {TURN} --prompts {PROMPTS}"
 argv += "" if ARGS.dtypes == "fp32,bf16" else f" --dtypes {ARGS.dtypes}"
+argv += "" if ARGS.adapt_rows is None else f" --adapt-rows {ARGS.adapt_rows}"
 result = {"rows": ROWS, "turn": TURN, "new_tokens": NEW, "prompts": PROMPTS, "answer_tokens": ANSWER, "runs": runs,
           "machine": machine_info(),
           "command": f"OMP_NUM_THREADS=1 python benchmarks/results/batch-adapt/study.py{argv}"}
