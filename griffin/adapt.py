@@ -22,7 +22,10 @@ per-request estimate. Given the forward-cost curve measured at the batch size (`
 mean of the lookup nodes per row the tree cycles verified, beside the acceptance ratio, and prices each shape at it.
 A batch takes as many cycles as its slowest row needs, and where most of a pass's cost is fixed (reading the weights)
 tokens accepted in the other rows save little, so a batch keeps the acceptance ratio per row and decides on the
-lowest. Which batches adapt at all: :meth:`griffin.SpecGenerator.batch_shapes`.
+lowest. On the CPU a batch also runs a probe only where every row's context repeats its last n-gram (so that every
+row's lookup chain has something to copy; :meth:`griffin.batch.BatchPromptLookup.promising`) and a plain step
+otherwise: where a batch's tuner kept no tree, the head's tree alone does not pay, so a probe without a chain in
+every row costs more than it can give. Which batches adapt at all: :meth:`griffin.SpecGenerator.batch_shapes`.
 
 Decisions use token counts and the tuner's cost table only, never the clock: the same request with the same seed
 takes the same shapes and gives the same output on a machine. Every shape is verified losslessly, so the output is
@@ -41,9 +44,10 @@ PRIOR = 1.0  # the tuner's expectation counts as this many cycles in the running
 PROBE, MAX_PROBE = 4, 32  # plain tokens before a tree is tried again, at first and at most
 MARGIN = 0.03  # the hysteresis around plain decoding's rate: a tree is left below 1 - MARGIN, retaken above 1 + MARGIN
 PROBE_EXCESS = 1.0  # plain steps a batch's probe may cost beyond what it is expected to give (see probe_excess)
-# the largest batch that adapts where its tuner kept no tree: on the Xeon, adapting paid at batch 2 (MT-Bench second
-# turns, 1.17x) and not at 4 (first turns 0.91x, second turns 0.99x in fp32), benchmarks/results/batch-adapt/
-ADAPT_ROWS = 2
+# the largest batch that adapts where its tuner kept no tree: on the Xeon in fp32, probing only where every row's
+# lookup finds its n-gram, adapting cost nothing measurable on MT-Bench first turns at batch 2 and 4 (1.02x, 1.01x)
+# and paid on second turns (1.25x, 1.06x); batch 8 is off there by PROBE_EXCESS, benchmarks/results/batch-adapt/
+ADAPT_ROWS = 4
 
 
 @dataclass(frozen=True)
