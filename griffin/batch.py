@@ -262,11 +262,12 @@ class BatchPromptLookup:
         self.inner.read(tokens, features)
 
     def promising(self) -> bool:
-        """Whether a probe may pay now: every row's context repeats its last n-gram, so that every row's chain has
-        something to copy (a batch takes as many cycles as its slowest row, and where its size's tuner kept no tree,
-        the head's tree alone does not pay). Only with ``trim``: elsewhere reading the contexts would cost a host sync
-        per row, so a probe always runs."""
-        return not self.trim or all(bool(context.lookup(1, self.ngrams)[1][0]) for context in self.contexts)
+        """Whether a probe may pay now: every row's context repeats its last n-gram of the longest size (3 by
+        default), so that every row's chain has something likely to be accepted to copy. A batch takes as many
+        cycles as its slowest row, and where its size's tuner kept no tree the head's tree alone does not pay
+        (what probes gave by the n-grams their rows matched: ``benchmarks/results/batch-adapt/gate.md``). Only with ``trim``: elsewhere
+        reading the contexts would cost a host sync per row, so a probe always runs."""
+        return not self.trim or all(bool(context.lookup(1, self.ngrams[:1])[1][0]) for context in self.contexts)
 
     def propose(self, roots: torch.Tensor) -> Tree:
         found = [context.lookup(self.tokens, self.ngrams) for context in self.contexts]

@@ -179,19 +179,19 @@ def test_a_batch_adapting_its_tree_keeps_every_row_its_own_generation(lookup):
     tree); rows that finish early leave it in either kind of cycle: every row is still its own greedy generation."""
     target = tiny_model("llama", vocab_size=96, seed=3)
     gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=3, top_k=4, total_tokens=8)
-    # each prompt said twice, so that every row's lookup finds its n-grams and the probes run
-    prompts = [torch.cat((p, p)) for p in prompts_of([5, 12, 3, 8], 96, seed=7)]
+    # each prompt said four times, so that every row's context repeats its last 3-gram and the probes run
+    prompts = [torch.cat([p] * 4) for p in prompts_of([5, 12, 3, 8], 96, seed=7)]
     budgets = [40, 9, 33, 40]
     refs = [reference(target, p, n) for p, n in zip(prompts, budgets, strict=True)]
     stats = GenerationStats()
-    drafter = batch_drafter(gen.draft, 3, 4, 8, 4, 60, lookup, trim=bool(lookup))
+    drafter = batch_drafter(gen.draft, 3, 4, 8, 4, 100, lookup, trim=bool(lookup))
     out = decode_rows(gen.backend, drafter, prompts, budgets, SamplingConfig(), gen.eos_ids([]), None, stats,
                       adapting_policy())
     assert out == refs
     assert stats.plain_steps > 0 and sum(stats.shapes.values()) > 2  # plain stretches and probes both ran
 
 
-def test_a_batch_probes_only_where_every_rows_lookup_finds_its_last_ngram():
+def test_a_batch_probes_only_where_every_rows_context_repeats_its_last_ngram():
     """On the CPU (trimmed chains) a probe that would find no chain to copy in some row is a plain step instead: a
     batch takes as many cycles as its slowest row, and the head's tree alone is what its tuner measured not paying."""
     target = tiny_model("llama", vocab_size=96, seed=3)
@@ -220,10 +220,10 @@ def test_a_batch_probes_only_where_every_rows_lookup_finds_its_last_ngram():
     assert any(skipped)  # and some were plain steps instead
     assert BatchPromptLookup(drafter.inner, 3, 60, trim=False).promising()  # static chains: no reading, no gate
     drafter.contexts = [Context(8), Context(8)]
-    drafter.contexts[0].reset(torch.tensor([1, 2, 3, 1, 2]))
-    drafter.contexts[1].reset(torch.tensor([7, 5, 7, 5]))
+    drafter.contexts[0].reset(torch.tensor([1, 2, 3, 1, 2, 3]))
+    drafter.contexts[1].reset(torch.tensor([7, 5, 6, 7, 5, 6]))
     assert drafter.promising()
-    drafter.contexts[1].reset(torch.tensor([7, 5, 7, 6]))
+    drafter.contexts[1].reset(torch.tensor([7, 5, 6, 7, 9, 5, 6]))  # its last 2-gram repeats, its last 3-gram not
     assert not drafter.promising()
 
 
