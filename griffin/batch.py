@@ -107,10 +107,15 @@ class BatchHeadDrafter:
         self.offsets: torch.Tensor | None = None  # [B] the same on the device, moved there by device counts
         self.last: DraftOutput | None = None  # the head's output at each row's last position, [B, 1, ..]
         self.unread: list[tuple[torch.Tensor, torch.Tensor]] = []  # plain steps' tokens [B, 1], features [B, 1, H]
+        self.prompts: tuple | None = None  # start's arguments until the first tree reads them
+
+    def start(self, prompts: list[torch.Tensor], hidden: list[torch.Tensor], tokens: torch.Tensor) -> None:
+        """Row b reads its prompt [P_b] with the target's features [P_b, H] and its first new token ``tokens[b]``,
+        at the first tree (a batch that adapts may never draft one)."""
+        self.prompts, self.unread = (prompts, hidden, tokens), []
 
     @torch.inference_mode()
-    def start(self, prompts: list[torch.Tensor], hidden: list[torch.Tensor], tokens: torch.Tensor) -> None:
-        """Row b reads its prompt [P_b] with the target's features [P_b, H] and its first new token ``tokens[b]``."""
+    def _read_prompts(self, prompts: list[torch.Tensor], hidden: list[torch.Tensor], tokens: torch.Tensor) -> None:
         device = tokens.device
         longest = max(p.shape[0] for p in prompts)
         inputs = torch.stack([F.pad(torch.cat((p[1:], t[None])), (0, longest - p.shape[0]))
@@ -118,7 +123,6 @@ class BatchHeadDrafter:
         features = torch.stack([F.pad(h, (0, 0, 0, longest - h.shape[0])) for h in hidden])  # [B, P, H]
         self.vocab.add(inputs.flatten())
         self.lengths = [p.shape[0] for p in prompts]
-        self.unread = []
         self.cache.length = 0
         cache = self.cache  # rows that finished at their first token never reach the drafter
         cache.keys, cache.values = cache.keys[: len(prompts)], cache.values[: len(prompts)]
@@ -157,6 +161,9 @@ class BatchHeadDrafter:
     @torch.inference_mode()
     def propose(self, roots: torch.Tensor) -> Tree:
         """B trees below ``roots`` [B] (each row's newest token), with tensor operations only."""
+        if self.prompts is not None:
+            self._read_prompts(*self.prompts)
+            self.prompts = None
         if self.unread:
             n, b = len(self.unread), roots.shape[0]
             tokens, features = (torch.cat(parts, dim=1) for parts in zip(*self.unread, strict=True))
@@ -225,6 +232,10 @@ class BatchHeadDrafter:
         """Keep only ``rows``."""
         keep = torch.tensor(rows, device=self.cache.keys.device)
         self.unread = [(t[keep], f[keep]) for t, f in self.unread]
+        if self.prompts is not None:  # no tree yet: only the prompts to read are kept
+            prompts, hidden, tokens = self.prompts
+            self.prompts = [prompts[r] for r in rows], [hidden[r] for r in rows], tokens[keep]
+            return
         self.cache.keys, self.cache.values = self.cache.keys[keep], self.cache.values[keep]
         self.last = self.last._replace(predict=self.last.predict[keep], regress=self.last.regress[keep])
         self.lengths = [self.lengths[r] for r in rows]
@@ -264,8 +275,9 @@ class BatchPromptLookup:
     def promising(self) -> bool:
         """Whether a probe may pay now: every row's context repeats its last n-gram of the longest size (3 by
         default), so that every row's chain has something likely to be accepted to copy. A batch takes as many
-        cycles as its slowest row, and where its size's tuner kept no tree the head's tree alone does not pay
-        (what probes gave by the n-grams their rows matched: ``benchmarks/results/batch-adapt/gate.md``). Only with ``trim``: elsewhere
+        cycles as its slowest row, and where its size's tuner kept no tree the head's tree alone does not pay: on
+        MT-Bench, probes where every row repeated its last 3-gram gave the slowest row 3-5 tokens, those where some
+        row repeated no 2-gram 1.0-1.4 (``benchmarks/results/batch-adapt/gate.md``). Only with ``trim``: elsewhere
         reading the contexts would cost a host sync per row, so a probe always runs."""
         return not self.trim or all(bool(context.lookup(1, self.ngrams[:1])[1][0]) for context in self.contexts)
 

@@ -227,6 +227,28 @@ def test_a_batch_probes_only_where_every_rows_context_repeats_its_last_ngram():
     assert not drafter.promising()
 
 
+def test_a_batch_that_never_drafts_never_runs_the_head():
+    """The head reads the prompts at the first tree, not before: a batch whose probes all wait for evidence that never
+    comes (prompts of distinct tokens, a few new ones) costs exactly the batched plain loop's passes."""
+    target = tiny_model("llama", vocab_size=96, seed=3)
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=3, top_k=4, total_tokens=8)
+    prompts = [torch.randperm(96, generator=torch.Generator().manual_seed(s))[:n] for s, n in ((1, 9), (2, 14))]
+    drafter = batch_drafter(gen.draft, 3, 4, 8, 2, 60, 3, trim=True)
+    calls = [0]
+    forward = gen.draft.forward
+
+    def spy(*args, **kwargs):
+        calls[0] += 1
+        return forward(*args, **kwargs)
+
+    gen.draft.forward = spy
+    stats = GenerationStats()
+    out = decode_rows(gen.backend, drafter, prompts, [4, 4], SamplingConfig(), gen.eos_ids([]), None, stats,
+                      adapting_policy())
+    assert out == [reference(target, p, 4) for p in prompts]
+    assert stats.plain_steps == 6 and not stats.shapes and calls[0] == 0
+
+
 @pytest.mark.parametrize("total", [8, 0])
 def test_a_cycle_sends_nothing_to_the_device(monkeypatch, total):
     """Each row's length, budget and last emitted index stay on the device between cycles: a host list copied to

@@ -90,7 +90,8 @@ def run(dtype: str) -> dict:
 
 
 runs = [run(dtype) for dtype in ARGS.dtypes.split(",")]
-argv = "" if STEM == "study" else f" --rows {ROWS} --turn {TURN} --prompts {PROMPTS}"
+argv = "" if (ROWS, TURN) == (2, 2) else f" --rows {ROWS} --turn {TURN}"
+argv += "" if PROMPTS == 16 else f" --prompts {PROMPTS}"
 argv += "" if ARGS.dtypes == "fp32,bf16" else f" --dtypes {ARGS.dtypes}"
 argv += "" if ARGS.adapt_rows is None else f" --adapt-rows {ARGS.adapt_rows}"
 result = {"rows": ROWS, "turn": TURN, "new_tokens": NEW, "prompts": PROMPTS, "answer_tokens": ANSWER, "runs": runs,
