@@ -5,9 +5,9 @@
 Batched generation as ``study.py`` runs it (greedy, 64 new tokens, each row's lookup chain of 10, ``adapt`` on), with
 the probe gate turned off, so that every probe the policy asks for runs. Each probe (a tree cycle after plain steps,
 or a batch's first cycle) is classed by what the rows' contexts repeated when it was drafted: every row its last
-3-gram, every row at least its last 2-gram, or some row neither; per class, the tokens the slowest row emitted (what
-sets a batch's cycles) and the mean over rows. Settings: where batches adapt on the Xeon (fp32 batch 2 and 4, bf16
-batch 4), MT-Bench first and second turns. Writes ``gate.json`` and ``gate.md`` beside this file.
+3-gram; every row its last 2-gram but not all their 3-gram; or some row neither. Per class: the tokens the slowest
+row emitted (what sets a batch's cycles) and the mean over rows. Settings: where batches adapt on the Xeon (fp32
+batch 2 and 4, bf16 batch 4), MT-Bench first and second turns. Writes ``gate.json`` and ``gate.md`` beside this file.
 """
 
 import json
@@ -24,11 +24,11 @@ from griffin.report import machine_info, machine_text
 from griffin.sampling import SamplingConfig
 from inference.questions import load_questions
 
-SETTINGS = [("fp32", 2, 1, 32), ("fp32", 2, 2, 16), ("fp32", 4, 1, 32), ("fp32", 4, 2, 16), ("bf16", 4, 1, 32),
-            ("bf16", 4, 2, 16)]  # dtype, batch, turn, prompts
+SETTINGS = [("fp32", 2, 1, 80), ("fp32", 2, 2, 32), ("fp32", 4, 1, 80), ("fp32", 4, 2, 32), ("bf16", 4, 1, 80),
+            ("bf16", 4, 2, 32)]  # dtype, batch, turn, prompts
 NEW, ANSWER = 64, 256
 HERE = Path(__file__).parent
-CLASSES = ("every row 3-gram", "every row 2-gram or more", "some row neither")
+CLASSES = ("every row its 3-gram", "every row its 2-gram, not all their 3-gram", "some row neither")
 
 drafted: list[str] = []  # the class of each tree cycle drafted, in order
 probes: list[tuple[str, dict]] = []  # (class, tokens per row) of each probe
