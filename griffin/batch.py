@@ -273,13 +273,14 @@ class BatchPromptLookup:
         self.inner.read(tokens, features)
 
     def promising(self) -> bool:
-        """Whether a probe may pay now: every row's context repeats its last n-gram of the longest size (3 by
-        default), so that every row's chain has something likely to be accepted to copy. A batch takes as many
-        cycles as its slowest row, and where its size's tuner kept no tree the head's tree alone does not pay: on
-        MT-Bench, probes where every row repeated its last 3-gram gave the slowest row 3-5 tokens, those where some
-        row repeated no 2-gram 1.0-1.4 (``benchmarks/results/batch-adapt/gate.md``). Only with ``trim``: elsewhere
-        reading the contexts would cost a host sync per row, so a probe always runs."""
-        return not self.trim or all(bool(context.lookup(1, self.ngrams[:1])[1][0]) for context in self.contexts)
+        """Whether a probe may pay now: every row's context repeats its last n-gram (of the sizes the chains look
+        up), so that every row's chain has something to copy. A batch takes as many cycles as its slowest row, and
+        where its size's tuner kept no tree the head's tree alone does not pay: on MT-Bench, probes where some row
+        repeated neither its last 3-gram nor its last 2-gram gave the slowest row 1.0-1.4 tokens
+        (``benchmarks/results/batch-adapt/gate.md``). Asking for the 3-gram alone lost the gains of second turns at
+        batch 4 (``benchmarks/results/batch-adapt/README.md``). Only with ``trim``: elsewhere reading the contexts
+        would cost a host sync per row, so a probe always runs."""
+        return not self.trim or all(bool(context.lookup(1, self.ngrams)[1][0]) for context in self.contexts)
 
     def propose(self, roots: torch.Tensor) -> Tree:
         found = [context.lookup(self.tokens, self.ngrams) for context in self.contexts]

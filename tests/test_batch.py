@@ -224,6 +224,8 @@ def test_a_batch_probes_only_where_every_rows_context_repeats_its_last_ngram():
     drafter.contexts[1].reset(torch.tensor([7, 5, 6, 7, 5, 6]))
     assert drafter.promising()
     drafter.contexts[1].reset(torch.tensor([7, 5, 6, 7, 9, 5, 6]))  # its last 2-gram repeats, its last 3-gram not
+    assert drafter.promising()
+    drafter.contexts[1].reset(torch.tensor([7, 5, 6, 7, 9, 5, 8]))  # only a 1-gram (the lookup's are 3 and 2)
     assert not drafter.promising()
 
 
