@@ -244,9 +244,11 @@ def drafting(batch: dict) -> bool:
 
 
 def verdict(run: dict) -> str:
-    """Where speculation paid (a tree, above the fastest plain decoding) and from which batch size on it stopped."""
+    """Where speculation paid (a tree, above the fastest plain decoding), where it drafted and did not, and from which
+    batch size on it stopped."""
     batches = sorted(int(b) for b in run["batches"])
     paying = [b for b in batches if drafting(run["batches"][str(b)]) and run["batches"][str(b)]["speedup"] > 1.0]
+    losing = [b for b in batches if drafting(run["batches"][str(b)]) and b not in paying]
     plain = [b for b in batches if not drafting(run["batches"][str(b)])]
 
     def names(sizes: list[int]) -> str:
@@ -254,12 +256,14 @@ def verdict(run: dict) -> str:
 
     text = (f"Speculation paid (drafting, above 1.0x) at batch {names(paying)}" if paying
             else "Speculation paid at no batch size")
+    if losing and paying:
+        text += f"; drafting, it read at most 1.0x at batch {names(losing)}"
     if plain:
         text += (f"; ours drafted nothing at batch {names(plain)} (it is then the plain loop: its ratio to the "
                  "plain baselines is measurement noise)")
     stopped = [b for b in batches if all(c not in paying for c in batches if c >= b)]
     if not stopped:
-        return text + "; it paid at every batch size measured."
+        return text + ("; it paid at every batch size measured." if not losing and not plain else ".")
     return text + (f"; from batch {stopped[0]} on it stopped paying." if paying else ".")
 
 

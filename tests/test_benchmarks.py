@@ -319,6 +319,8 @@ def test_batching_verdict_names_where_speculation_paid_and_where_it_stopped():
     assert verdict(run((1, 12, 1.3), (2, 0, 1.1), (4, 2, 1.05), (8, 1, 0.97))).endswith(
         "from batch 8 on it stopped paying.")  # not "from batch 2": it paid again at 4
     assert verdict(run((1, 4, 1.2), (2, 4, 1.1))).endswith("at batch 1, 2; it paid at every batch size measured.")
+    assert verdict(run((1, 4, 1.2), (2, 4, 0.98), (4, 4, 1.02))) == (
+        "Speculation paid (drafting, above 1.0x) at batch 1, 4; drafting, it read at most 1.0x at batch 2.")
     assert verdict(run((1, 0, 1.02), (2, 0, 0.9))).startswith("Speculation paid at no batch size; ours drafted")
     adapting = run((1, 0, 1.75), (2, 0, 1.02))  # one prompt without a tuned tree still drafts when it adapts
     adapting["batches"]["1"]["drafts"] = "no tree, adapting per request"
