@@ -276,7 +276,7 @@ class BatchPromptLookup:
         """Whether a probe may pay now: every row's context repeats its last n-gram (of the sizes the chains look
         up), so that every row's chain has something to copy. A batch takes as many cycles as its slowest row, and
         where its size's tuner kept no tree the head's tree alone does not pay: on MT-Bench, probes where some row
-        repeated neither its last 3-gram nor its last 2-gram gave the slowest row 1.0-1.4 tokens
+        repeated neither its last 3-gram nor its last 2-gram gave the slowest row 1.0-1.6 tokens
         (``benchmarks/results/batch-adapt/gate.md``). Asking for the 3-gram alone lost the gains of second turns at
         batch 4 (``benchmarks/results/batch-adapt/README.md``). Only with ``trim``: elsewhere reading the contexts
         would cost a host sync per row, so a probe always runs."""
