@@ -141,6 +141,18 @@ def test_finished_rows_leave_the_batch():
     assert rows_seen == sorted(rows_seen, reverse=True)
 
 
+def count_calls(owner, name: str) -> list[int]:
+    """Wrap ``owner.<name>`` so that each call adds one to the returned counter ([calls])."""
+    counter, method = [0], getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        counter[0] += 1
+        return method(*args, **kwargs)
+
+    setattr(owner, name, wrapper)
+    return counter
+
+
 def adapting_policy() -> ShapePolicy:
     """Two tree shapes an untrained head cannot pay for: the batch runs a tree, falls back to plain steps, probes."""
     return ShapePolicy([Shape(3, 8, 2.0, 1.9, 4), Shape(1, 2, 1.5, 1.45, 2)])
@@ -155,14 +167,7 @@ def test_one_host_sync_per_cycle_for_the_whole_batch(counted, temperature, total
     target = tiny_model("llama", vocab_size=96)
     gen = SpecGenerator(target, NoTokenizer(), untrained_head(target, draft_vocab_size=40), depth=3, top_k=4,
                         total_tokens=total)
-    passes = [0]
-    forward = gen.backend.forward_rows
-
-    def spy(*args, **kwargs):
-        passes[0] += 1
-        return forward(*args, **kwargs)
-
-    gen.backend.forward_rows = spy
+    passes = count_calls(gen.backend, "forward_rows")
     drafter = batch_drafter(gen.draft, 3, 4, total, 3, 40, lookup) if total else None
     generator = torch.Generator().manual_seed(0) if temperature else None
     counted[0] = 0
@@ -236,14 +241,7 @@ def test_a_batch_that_never_drafts_never_runs_the_head():
     gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=3, top_k=4, total_tokens=8)
     prompts = [torch.randperm(96, generator=torch.Generator().manual_seed(s))[:n] for s, n in ((1, 9), (2, 14))]
     drafter = batch_drafter(gen.draft, 3, 4, 8, 2, 60, 3, trim=True)
-    calls = [0]
-    forward = gen.draft.forward
-
-    def spy(*args, **kwargs):
-        calls[0] += 1
-        return forward(*args, **kwargs)
-
-    gen.draft.forward = spy
+    calls = count_calls(gen.draft, "forward")
     stats = GenerationStats()
     out = decode_rows(gen.backend, drafter, prompts, [4, 4], SamplingConfig(), gen.eos_ids([]), None, stats,
                       adapting_policy())
