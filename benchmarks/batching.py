@@ -256,7 +256,7 @@ def verdict(run: dict) -> str:
 
     text = (f"Speculation paid (drafting, above 1.0x) at batch {names(paying)}" if paying
             else "Speculation paid at no batch size")
-    if losing and paying:
+    if losing:
         text += f"; drafting, it read at most 1.0x at batch {names(losing)}"
     if plain:
         text += (f"; ours drafted nothing at batch {names(plain)} (it is then the plain loop: its ratio to the "

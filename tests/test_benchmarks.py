@@ -327,6 +327,9 @@ def test_batching_verdict_names_where_speculation_paid_and_where_it_stopped():
     adapting["batches"]["2"]["drafts"] = "no tree"
     assert verdict(adapting).startswith("Speculation paid (drafting, above 1.0x) at batch 1; ours drafted nothing at "
                                         "batch 2")
+    adapting["batches"]["1"]["speedup"] = 0.95  # drafted and lost, with nothing paying: still named
+    assert verdict(adapting).startswith("Speculation paid at no batch size; drafting, it read at most 1.0x at batch 1; "
+                                        "ours drafted nothing at batch 2")
 
 
 def test_headline_names_the_tuned_start_of_adaptive_runs():
