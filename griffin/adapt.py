@@ -27,6 +27,11 @@ row's lookup chain has something to copy; :meth:`griffin.batch.BatchPromptLookup
 otherwise: where a batch's tuner kept no tree, the head's tree alone does not pay, so a probe without a chain in
 every row costs more than it can give. Which batches adapt at all: :meth:`griffin.SpecGenerator.batch_shapes`.
 
+One request where the tuner kept no tree gates its probes the same way (:meth:`griffin.drafters.PromptLookup.
+promising`), and adapts only while its best tree would pay on a request accepting :data:`ADAPT_RATIO` times what the
+tuner expects (:func:`needed_ratio`); where a pass over a few tokens costs nearly as many plain steps (bf16 on a CPU
+without bf16 instructions) it runs the plain loop.
+
 Decisions use token counts and the tuner's cost table only, never the clock: the same request with the same seed
 takes the same shapes and gives the same output on a machine. Every shape is verified losslessly, so the output is
 the target's whatever the shapes (greedy: identical; sampling: the target's distribution, each cycle's rule being
@@ -48,6 +53,11 @@ PROBE_EXCESS = 1.0  # plain steps a batch's probe may cost beyond what it is exp
 # lookup finds its n-gram, adapting cost nothing measurable on MT-Bench first turns at batch 2 and 4 (1.02x, 1.01x)
 # and paid on second turns (1.25x, 1.06x); batch 8 is off there by PROBE_EXCESS, benchmarks/results/batch-adapt/
 ADAPT_ROWS = 4
+# where the tuner kept no tree, one request adapts only while some tree pays on a request that accepts this many times
+# what the tuner expects (MT-Bench's second turns accept about twice their first turns' drafted tokens): on an AVX2 CPU
+# in bf16, where a pass over 2 tokens costs 1.6x one, the best tree needed 2.15x and adapting read 0.94x on first
+# turns and 1.04x on second turns; in fp32 it needed 1.0x and read 1.12x and 1.73x (benchmarks/results/amd-epyc/)
+ADAPT_RATIO = 2.0
 
 
 @dataclass(frozen=True)
@@ -103,10 +113,17 @@ def probe_excess(shape: Shape, curve: dict[int, float] | None, lookup: int) -> f
     return repriced(shape, curve, lookup) - shape.tau
 
 
+def needed_ratio(shapes: list[Shape]) -> float:
+    """How many times the tuner's expected acceptance a request must accept for a cycle of the best of ``shapes`` to
+    give the plain steps it costs (its tokens, ``1 + ratio * (tau - 1)``, equal to its cost)."""
+    return min((s.cost - 1) / (s.tau - 1) for s in shapes if s.tau > 1)
+
+
 class ShapePolicy:
     """Per request: the shape of each next cycle from the tree ``shapes`` (and :data:`PLAIN`), given what the cycles
     so far emitted. The first cycle takes the best shape by the tuner's estimates; ``plain_first`` (the tuner measured
-    that no tree pays at this band) makes the probes after it wait longest from the start. ``curve``: a pass's cost in
+    that no tree pays at this band) makes the probes after it wait longest from the start, and a loop then runs a probe
+    only where its drafter sees a use for one (``promising``; a plain step otherwise). ``curve``: a pass's cost in
     plain steps by nodes per row at this batch size, to price the lookup nodes the cycles verify (None: the tuner's
     costs as they are)."""
 
@@ -120,7 +137,7 @@ class ShapePolicy:
         self.seen: dict[int, float] = {0: 0.0}  # per row, decayed sums over tree cycles of accepted / expected
         self.weight = 0.0  # decayed count of tree cycles (a batch's rows start together and only leave)
         self.chained = 0.0  # decayed sum over tree cycles of the lookup nodes per row verified
-        self.first_wait, self.max_probe = probe, max_probe
+        self.first_wait, self.max_probe, self.plain_first = probe, max_probe, plain_first
         self.wait = max_probe if plain_first else probe  # plain tokens between probes now
         self.plain_run = 0  # plain tokens since the last tree cycle
         self.current = self.best()
@@ -152,9 +169,10 @@ class ShapePolicy:
 
     @property
     def probing(self) -> bool:
-        """Whether the next cycle is a probe: a tree after plain steps, or the request's first cycle. A batch runs a
-        plain step instead where its drafter sees no use for a tree now (:meth:`griffin.batch.BatchPromptLookup.
-        promising`), and the policy observes that step as any other."""
+        """Whether the next cycle is a probe: a tree after plain steps, or the request's first cycle. With
+        ``plain_first`` a loop runs a plain step instead where its drafter sees no use for a tree now
+        (:meth:`griffin.drafters.PromptLookup.promising`, :meth:`griffin.batch.BatchPromptLookup.promising`), and
+        the policy observes that step as any other."""
         return self.current is not PLAIN and (self.plain_run > 0 or self.weight == 0)
 
     def observe(self, shape: Shape, emitted: int | dict[int, int], width: int | None = None) -> None:

@@ -422,7 +422,8 @@ def decode_rows(backend: TargetBackend, drafter: BatchHeadDrafter | BatchPromptL
     while True:
         b = len(active)
         tree_cycle = drafter is not None and shape is not PLAIN
-        if tree_cycle and shape is not None and policy.probing:  # a probe runs only where the drafter sees a use
+        # a probe where the tuner kept no tree (always, for a batch that adapts) runs only where the drafter sees a use
+        if tree_cycle and shape is not None and policy.plain_first and policy.probing:
             tree_cycle = drafter.promising()
         if not tree_cycle:
             tokens, features = plain_rows_step(backend, cache, tokens, sampling, generator)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adapt import PLAIN, ShapePolicy
+from .adapt import PLAIN, Shape, ShapePolicy
 from .backend import TargetBackend
 from .kv_cache import BufferCache
 from .plain import plain_steps
@@ -100,9 +100,11 @@ def decode(backend: TargetBackend, drafter: Drafter | None, ids: torch.Tensor, m
 
     ``drafter`` None: the plain loop throughout. Else each cycle asks ``policy`` (if any) for its shape
     (:data:`griffin.adapt.PLAIN`: a plain step; a tree shape: ``drafter.resize(depth, total_tokens)``) and reports
-    what the cycle emitted. ``verifier``: the acceptance rule (default: the drafter's ``verifier(sampling,
-    generator)`` if it has one, else :func:`griffin.verify.default_verifier`). ``timing``: split the time into
-    ``stats`` (synchronises the device). ``trace``, if given, receives ``(tree, path)`` of every tree cycle.
+    what the cycle emitted; where the policy starts plain (its tuner kept no tree), a probe runs only where the
+    drafter's ``promising`` (if it has one) sees a use for it, and a plain step otherwise. ``verifier``: the
+    acceptance rule (default: the drafter's ``verifier(sampling, generator)`` if it has one, else
+    :func:`griffin.verify.default_verifier`). ``timing``: split the time into ``stats`` (synchronises the device).
+    ``trace``, if given, receives ``(tree, path)`` of every tree cycle.
     One host sync per cycle (the emitted tokens with their count and the stop flag)."""
     clock = _Clock(backend.device, stats, timing)
     started = time.perf_counter()
@@ -124,9 +126,20 @@ def decode(backend: TargetBackend, drafter: Drafter | None, ids: torch.Tensor, m
             verifier = choose(sampling, generator) if choose else default_verifier(sampling, generator)
     clock.lap("draft_s")
     unread: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tokens, features) emitted since the drafter last read
+    promising = getattr(drafter, "promising", None)
+
+    def held(shape: Shape | None) -> bool:
+        """Whether the cycle runs plainly: no tree asked for, or a probe the drafter sees no use for where the policy
+        starts plain (the tuner kept no tree)."""
+        if shape is PLAIN:
+            return True
+        if shape is None or promising is None or not (policy.plain_first and policy.probing):
+            return False
+        return not promising(torch.cat([t for t, _ in unread]) if unread else token.new_zeros(0))
+
     shape = PLAIN if drafter is None else (policy.shape() if policy else None)
     while True:
-        if shape is PLAIN:  # plain steps until the policy asks for a tree again
+        if held(shape):  # plain steps until the policy asks for a tree again (and the drafter sees a use for it)
             with backend.weight_major:  # held for the stretch, as plain_generate holds it
                 layers = backend.feature_layers if drafter is not None else None  # what the drafter will read
                 for new, features in plain_steps(backend.model, cache, token, sampling, generator, layers):
@@ -146,7 +159,7 @@ def decode(backend: TargetBackend, drafter: Drafter | None, ids: torch.Tensor, m
                     if policy is not None:
                         policy.observe(PLAIN, 1)
                         shape = policy.shape()
-                        if shape is not PLAIN:
+                        if not held(shape):
                             break
             continue
         if shape is not None:

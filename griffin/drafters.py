@@ -174,6 +174,17 @@ class PromptLookup:
         """-> the chain [tokens] and which of its tokens are real [tokens] (:meth:`Context.lookup`)."""
         return self.context.lookup(self.tokens, self.ngrams)
 
+    def promising(self, pending: torch.Tensor) -> bool:
+        """Whether a probe may pay now, the plain steps' ``pending`` tokens [n] not read yet: the context, with them,
+        repeats its last n-gram (of the sizes the chain looks up), so that the chain has something to copy. As for a
+        batch (:meth:`griffin.batch.BatchPromptLookup.promising`), asked only where the tuner kept no tree: there the
+        head's tree alone does not pay. Only with ``trim``: elsewhere reading the context would cost a host sync."""
+        if not self.trim:
+            return True
+        context = Context(self.context.length + pending.shape[0])
+        context.reset(torch.cat((self.context.tokens[: self.context.length], pending)))
+        return bool(context.lookup(1, self.ngrams)[1][0])
+
 
 class Context:
     """Every token of one generation so far (the newest last), and the chain prompt lookup copies from it."""

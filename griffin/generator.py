@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .adapt import ADAPT_ROWS, PROBE_EXCESS, Shape, ShapePolicy, probe_excess
+from .adapt import ADAPT_RATIO, ADAPT_ROWS, PROBE_EXCESS, Shape, ShapePolicy, needed_ratio, probe_excess
 from .autotune import autotune_batch, batch_tuning_record, pass_cost, shapes, temperature_band, tune_gamma, tuned_choice
 from .backend import TargetBackend
 from .batch import batch_drafter, decode_rows
@@ -380,8 +380,12 @@ class SpecGenerator:
 
     @property
     def adapting(self) -> bool:
-        """Whether generations adapt the tree: a tuned head tree (its shapes measured) with ``adapt`` on."""
-        return self.adapt and bool(self._shapes) and not isinstance(self.draft, DraftLM)
+        """Whether generations adapt the tree: a tuned head tree (its shapes measured) with ``adapt`` on; where the
+        tuner kept no tree, only while its best tree would pay on a request accepting
+        :data:`griffin.adapt.ADAPT_RATIO` times what the tuner expects (:func:`griffin.adapt.needed_ratio`)."""
+        if not (self.adapt and self._shapes) or isinstance(self.draft, DraftLM):
+            return False
+        return not self.plain or needed_ratio(self._shapes) <= ADAPT_RATIO
 
     def _steps(self, ids: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig, eos: torch.Tensor,
                generator: torch.Generator | None, stats: GenerationStats, drafter: Drafter | None = None,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from griffin import SpecGenerator, autotune
-from griffin.adapt import ADAPT_ROWS, PLAIN, Shape, ShapePolicy, probe_excess
+from griffin.adapt import ADAPT_RATIO, ADAPT_ROWS, PLAIN, Shape, ShapePolicy, needed_ratio, probe_excess
 from griffin.autotune import cost_scale, pass_cost, shapes
 from griffin.decode import GenerationStats, decode
 from griffin.drafters import head_drafter
@@ -24,6 +24,8 @@ BIG, SMALL = Shape(3, 10, 2.0, 1.5), Shape(1, 2, 1.3, 1.1)
 
 class Scripted:
     """A policy that takes the shapes of ``script`` in turn, one per cycle, whatever the cycles accept."""
+
+    plain_first = False  # as where the tuner kept a tree: every probe runs
 
     def __init__(self, script: list[Shape], start: int = 0):
         self.script, self.turn = script, start
@@ -134,6 +136,68 @@ def test_the_policy_drops_to_plain_decoding_probes_with_backoff_and_comes_back()
     for _ in range(2):  # then accepts nothing: the one good cycle is not trusted for long
         quoting.observe(losing, 1)
     assert quoting.shape() is PLAIN
+
+
+def test_where_the_tuner_kept_no_tree_a_probe_runs_only_where_the_context_repeats_its_last_ngram():
+    """As in a batch: on the CPU (trimmed chains), with a policy that starts plain, a probe that would find no chain
+    to copy is a plain step instead, the plain steps' tokens counted before the drafter reads them; the output is
+    still generate's."""
+    target = tiny_model("llama", vocab_size=96, seed=3)
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), top_k=4)
+    held = ran = 0
+    for seed in range(3):
+        prompt = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(seed))
+        ref = target.generate(prompt[None], max_new_tokens=40, do_sample=False)[0, 9:].tolist()
+        drafter = head_drafter(gen.draft, 2, 4, 4, 9 + 40, 3, trim=True)
+        policy = ShapePolicy([Shape(2, 4, 1.5, 1.8)], plain_first=True, max_probe=2)  # a probe every other step
+        answers: list[bool] = []
+        promising, propose = drafter.promising, drafter.propose
+
+        def spy_promising(pending, answers=answers, promising=promising):
+            answers.append(promising(pending))
+            return answers[-1]
+
+        def spy_propose(token, policy=policy, answers=answers, propose=propose, drafter=drafter):
+            if policy.probing:
+                assert answers[-1] and drafter.context.lookup(1, drafter.ngrams)[1][0]
+            return propose(token)
+
+        drafter.promising, drafter.propose = spy_promising, spy_propose
+        cache = BufferCache(gen.num_layers, 9 + 40 + drafter.total_tokens + 1)
+        out = decode(gen.backend, drafter, prompt, 40, SamplingConfig(), gen.eos_ids([]), None, GenerationStats(),
+                     cache, policy=policy)
+        assert torch.cat(list(out)).tolist() == ref
+        held, ran = held + answers.count(False), ran + answers.count(True)
+    assert held > 0 and ran > 0  # some probes waited for a repeat, some ran
+    lookup = head_drafter(gen.draft, 2, 4, 4, 16, 3, trim=True)
+    lookup.context.reset(torch.tensor([1, 2, 3, 1, 2]))
+    assert lookup.promising(torch.tensor([], dtype=torch.long))  # its last 2-gram repeats
+    assert lookup.promising(torch.tensor([3]))  # its last 3-gram repeats
+    assert not lookup.promising(torch.tensor([9]))  # 2, 9 occurs nowhere before
+    static = head_drafter(gen.draft, 2, 4, 4, 16, 3)  # static chains: no reading, no gate
+    static.context.reset(torch.tensor([1, 2, 3]))
+    assert static.promising(torch.tensor([9]))
+
+
+def test_where_the_tuner_kept_no_tree_a_request_adapts_only_if_twice_its_acceptance_would_pay():
+    """A request that accepts ADAPT_RATIO times what the tuner expects must be able to make the best tree pay: the
+    EPYC's shapes in bf16 (a cycle of 1 node costing 2.34 plain steps for 1.625 tokens) need 2.15x and run the plain
+    loop; in fp32 (1.44 steps for 1.44 tokens) they need 1.0x and adapt. A kept tree adapts whatever it needs."""
+    target = tiny_model("llama", vocab_size=96, seed=3)
+    bf16, fp32 = [Shape(1, 1, 1.625, 2.34), Shape(2, 4, 2.125, 3.5)], [Shape(1, 1, 1.44, 1.44)]
+    assert needed_ratio(bf16) == pytest.approx(1.34 / 0.625) and needed_ratio(fp32) == pytest.approx(1.0)
+    assert needed_ratio(bf16) > ADAPT_RATIO >= needed_ratio(fp32)
+    plain = SpecGenerator(target, NoTokenizer(), untrained_head(target), top_k=4, total_tokens=0)
+    assert plain.plain
+    prompt = torch.arange(3, 12)
+    for found, adapts in ((bf16, False), (fp32, True)):
+        plain._shapes = found
+        assert plain.adapting is adapts
+        out = plain.generate(prompt, max_new_tokens=24)
+        assert bool(out.stats.shapes) is adapts  # the costly shapes never draft: the plain loop throughout
+    kept = SpecGenerator(target, NoTokenizer(), untrained_head(target), top_k=4, total_tokens=10)
+    kept._shapes = bf16
+    assert kept.adapting
 
 
 def test_a_batch_decides_on_its_slowest_row():

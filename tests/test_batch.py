@@ -153,9 +153,10 @@ def count_calls(owner, name: str) -> list[int]:
     return counter
 
 
-def adapting_policy() -> ShapePolicy:
-    """Two tree shapes an untrained head cannot pay for: the batch runs a tree, falls back to plain steps, probes."""
-    return ShapePolicy([Shape(3, 8, 2.0, 1.9, 4), Shape(1, 2, 1.5, 1.45, 2)])
+def adapting_policy(plain_first: bool = False) -> ShapePolicy:
+    """Two tree shapes an untrained head cannot pay for: the batch runs a tree, falls back to plain steps, probes
+    (``plain_first``: as where the tuner kept no tree, the probes gated by the drafter)."""
+    return ShapePolicy([Shape(3, 8, 2.0, 1.9, 4), Shape(1, 2, 1.5, 1.45, 2)], plain_first=plain_first)
 
 
 @pytest.mark.parametrize("temperature,total,lookup,adapt", [(0.0, 8, 0, False), (1.0, 8, 0, False),
@@ -204,7 +205,7 @@ def test_a_batch_probes_only_where_every_rows_context_repeats_its_last_ngram():
     prompts = prompts_of([5, 12, 3, 8], 96, seed=7)
     budgets = [40, 9, 33, 40]
     drafter = batch_drafter(gen.draft, 3, 4, 8, 4, 60, 3, trim=True)
-    policy = adapting_policy()
+    policy = adapting_policy(plain_first=True)
     probes, skipped = [], []
     propose, read = drafter.propose, drafter.read
 
@@ -244,7 +245,7 @@ def test_a_batch_that_never_drafts_never_runs_the_head():
     calls = count_calls(gen.draft, "forward")
     stats = GenerationStats()
     out = decode_rows(gen.backend, drafter, prompts, [4, 4], SamplingConfig(), gen.eos_ids([]), None, stats,
-                      adapting_policy())
+                      adapting_policy(plain_first=True))
     assert out == [reference(target, p, 4) for p in prompts]
     assert stats.plain_steps == 6 and not stats.shapes and calls[0] == 0
 
