@@ -138,8 +138,9 @@ def decode(backend: TargetBackend, drafter: Drafter | None, ids: torch.Tensor, m
         return not promising(torch.cat([t for t, _ in unread]) if unread else token.new_zeros(0))
 
     shape = PLAIN if drafter is None else (policy.shape() if policy else None)
+    plain = held(shape)
     while True:
-        if held(shape):  # plain steps until the policy asks for a tree again (and the drafter sees a use for it)
+        if plain:  # plain steps until the policy asks for a tree again (and the drafter sees a use for it)
             with backend.weight_major:  # held for the stretch, as plain_generate holds it
                 layers = backend.feature_layers if drafter is not None else None  # what the drafter will read
                 for new, features in plain_steps(backend.model, cache, token, sampling, generator, layers):
@@ -159,7 +160,8 @@ def decode(backend: TargetBackend, drafter: Drafter | None, ids: torch.Tensor, m
                     if policy is not None:
                         policy.observe(PLAIN, 1)
                         shape = policy.shape()
-                        if not held(shape):
+                        plain = held(shape)
+                        if not plain:
                             break
             continue
         if shape is not None:
@@ -199,4 +201,5 @@ def decode(backend: TargetBackend, drafter: Drafter | None, ids: torch.Tensor, m
             unread.append((out[:count], hidden[accepted.path[:count]]))
         else:
             drafter.accept(out[:count], hidden[accepted.path[:count]])
+        plain = held(shape)
         clock.lap("draft_s")

@@ -181,9 +181,11 @@ class PromptLookup:
         head's tree alone does not pay. Only with ``trim``: elsewhere reading the context would cost a host sync."""
         if not self.trim:
             return True
-        context = Context(self.context.length + pending.shape[0])
-        context.reset(torch.cat((self.context.tokens[: self.context.length], pending)))
-        return bool(context.lookup(1, self.ngrams)[1][0])
+        end = self.context.length
+        self.context.append(pending)  # in place, then forgotten: accept writes the same tokens there again
+        found = bool(self.context.lookup(1, self.ngrams)[1][0])
+        self.context.length = end
+        return found
 
 
 class Context:
