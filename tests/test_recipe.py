@@ -309,6 +309,27 @@ def test_a_recipe_commit_amends_its_own_previous_one_on_a_work_branch_never_on_m
     assert len(git("log", "--format=%s").splitlines()) == 5 and time.time() - t0 < 5
 
 
+def test_a_chunk_built_ahead_records_its_precision_and_a_chunk_not_built_shows_none():
+    """A data build that ran ahead records the run's precision with its seconds, and the card shows no precision for
+    a chunk nothing has been built for yet (only rows from before --precision, which have seconds, read bf16)."""
+    from concurrent.futures import Future
+
+    cfg = {"generation": 3, "regen_records": 1, "chunk_shards": 1, "shards": 4, "stage_ends": [4, 4, 4], "chunks": 4,
+           "records": 8}
+    state = {"heads": {}, "curve": [], "timings": [{"chunk": 0, "kind": "sharegpt", "stage": 1, "train_s": {},
+                                                     "features_s": 10}]}  # a row from before --precision
+    done, pending = Future(), Future()
+    done.set_result(None)
+    loop.collect_ahead(state, cfg, {1: (done, {"features_s": 7}), 2: (pending, {"features_s": 3})}, "fp32")
+    progress.chunk_timing(state, cfg, 3)  # reached, nothing built
+    rows = {t["chunk"]: t for t in state["timings"]}
+    assert rows[1]["precision"] == "fp32" and rows[1]["features_s"] == 7 and 2 not in rows
+    table = progress.progress_markdown(cfg, state)
+    assert "| 0 | sharegpt | 1 | - | - | bf16 |" in table
+    assert "| 1 | regen | 1 | - | - | fp32 | - | 7 |" in table
+    assert "| 3 | regen | 1 | - | - | - | - | - |" in table
+
+
 def test_finished_regeneration_parts_are_committed_and_spare_a_fresh_machine_their_answers(tmp_path, monkeypatch):
     ckpt, work = tmp_path / "ckpt", tmp_path / "work"
     args = Namespace(checkpoints=str(ckpt), work=str(work), dtype="fp32", regen_batch=2)

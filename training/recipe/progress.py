@@ -103,7 +103,8 @@ def progress_markdown(cfg: dict, state: dict) -> str:
                             "features s", "training s per head (updates)"],
                            [[t["chunk"], t["kind"], t["stage"], t.get("conversations", "-"),
                              f"{t['tokens']:,}" if "tokens" in t else "-",
-                             t.get("precision", "bf16"),  # rows from before --precision: always bf16
+                             # rows from before --precision (built, no precision): always bf16; not built yet: -
+                             t.get("precision", "bf16" if "features_s" in t else "-"),
                              t.get("regenerate_s", "-"),
                              t.get("features_s", "-"), ", ".join(f"{k} {v}" for k, v in t["train_s"].items())]
                             for t in state["timings"]])

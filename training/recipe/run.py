@@ -94,12 +94,14 @@ def submit_build(args, cfg: dict, state: dict, pool: ThreadPoolExecutor, ahead: 
     ahead[chunk] = (pool.submit(build), seconds)
 
 
-def collect_ahead(state: dict, cfg: dict, ahead: dict[int, tuple[Future, dict]]) -> None:
-    """Add the seconds of a data build that ran ahead to its chunk's row as soon as it is done (so that they are
-    saved even if the run stops before that chunk starts); the build's record keeps nothing to add twice."""
+def collect_ahead(state: dict, cfg: dict, ahead: dict[int, tuple[Future, dict]], precision: str) -> None:
+    """Add the seconds of a data build that ran ahead, in ``precision``, to its chunk's row as soon as it is done (so
+    that they are saved even if the run stops before that chunk starts); the build's record keeps nothing to add
+    twice."""
     for chunk, (future, seconds) in ahead.items():
         if future.done() and seconds:
             timing = chunk_timing(state, cfg, chunk)
+            timing["precision"] = precision
             for key, value in seconds.items():  # regenerate_s, features_s
                 timing[key] = timing.get(key, 0) + value
             seconds.clear()
@@ -162,7 +164,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
             # what the run finished survives the machine: heads exported since the last commit, the seconds of
             # builds done ahead, finished regeneration parts
             if args.commit:
-                collect_ahead(state, cfg, ahead)
+                collect_ahead(state, cfg, ahead, args.dtype)
                 save_state(path, cfg, state)
                 keep_parts(args, cfg, state)
                 publish.commit(args, "what a stopped run had finished")
@@ -196,7 +198,7 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
                     log.info("building chunk %d's data ahead, while chunk %d is built and trained on", c, chunk)
     if chunk in ahead:
         store = ahead[chunk][0].result()
-        collect_ahead(state, cfg, ahead)  # its seconds, if not added yet
+        collect_ahead(state, cfg, ahead, args.dtype)  # its seconds, if not added yet
         del ahead[chunk]
     else:
         store = steps.build_chunk(args, cfg, chunk, timing, steps.chunk_records(state, cfg, chunk))
@@ -221,7 +223,7 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
         if all(chunks_done(state, h) > chunk for h in heads_of(cfg, stage)):  # no head will read its answers again
             answers_file(args, chunk).unlink(missing_ok=True)
             steps.prune_features(args, cfg, chunk)
-        collect_ahead(state, cfg, ahead)
+        collect_ahead(state, cfg, ahead, args.dtype)
         save_state(path, cfg, state)
         stage_end = last and chunk + 1 in (cfg["stage_ends"][stage - 1], stop)
         if args.commit and (stage_end or time.time() - last_commit >= args.commit_every):
