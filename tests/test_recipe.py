@@ -693,6 +693,25 @@ def test_the_eagle3_generation_trains_its_heads_with_training_time_test_on_three
     assert recipe.main(args + ["--chunks", "3", "--keep-features"]) == 0
     assert [p.name for p in (tmp_path / "sharegpt").glob("shard-*")] == ["shard-00001.safetensors"]
     assert (work / "chunks" / "chunk-002" / MANIFEST).is_file()
+    # a rerun with a larger --draft-vocab widens each head before its next chunk; a smaller one is refused
+    calls.clear()
+    assert recipe.main(args + ["--chunks", "4", "--draft-vocab", "640"]) == 0
+    widen = [a for m, a in calls if m == "training.vocab"]
+    assert [(a[0], a[a.index("--size") + 1]) for a in widen] == [
+        (str(work / "runs" / h / "chunk-002"), "640") for h in ("eagle3", "griffin3")]
+    trained = {a[a.index("--arch") + 1]: a for m, a in calls if m == "training.train"}
+    assert trained["eagle3"][trained["eagle3"].index("--init-from") + 1] == str(work / "runs" / "eagle3" /
+                                                                                 "chunk-003-init-640")
+    assert all(a[a.index("--draft-vocab") + 1] == "640" for a in trained.values())
+    assert json.loads((ckpt / "recipe.json").read_text())["settings"]["draft_vocab"] == 640
+    assert json.loads((ckpt / "wip-eagle3" / "config.json").read_text())["draft_vocab_size"] == 640
+    settings = json.loads((ckpt / "recipe.json").read_text())["settings"] | {"draft_vocab": None}
+    progress.load_state(ckpt / "recipe.json", settings)  # no --draft-vocab: the record's; a new recipe: 8192
+    assert settings["draft_vocab"] == 640 and cli.parse_args([]).draft_vocab is None
+    fresh = settings | {"draft_vocab": None}
+    assert progress.load_state(tmp_path / "none.json", fresh)["settings"]["draft_vocab"] == schedule.DRAFT_VOCAB == 8192
+    code, err = run_main("training.recipe", *args, "--chunks", "5")  # its --draft-vocab 512 would cut the heads'
+    assert code == 2 and "would not widen" in err and len(err.strip().splitlines()) == 1
     # the second generation's names are refused here, and its defaults are its own
     code, err = run_main("training.recipe", "--generation", "3", "--heads", "griffin")
     assert code == 2 and "--heads must name some of eagle3, griffin3" in err

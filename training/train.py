@@ -75,8 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=nonnegative_int, default=None, help="warm-up updates (default: 3%% of the run)")
     p.add_argument("--batch-size", type=positive_int, default=4, help="conversations per process per update")
     p.add_argument("--max-len", type=_max_len, default=None, help="truncate conversations (default: the store's)")
-    p.add_argument("--draft-vocab", type=nonnegative_int, default=0,
-                   help="restrict the head's logits to the N most frequent assistant tokens (0 = full vocabulary)")
+    p.add_argument("--draft-vocab", type=nonnegative_int, default=None,
+                   help="restrict the head's logits to the N most frequent assistant tokens (0 = full vocabulary; "
+                        "default: 0, or --init-from's; python -m training.vocab widens a trained head's)")
     p.add_argument("--init-from", default=None, help="start from an earlier head (e.g. the K=1 stage; or a Hub id)")
     p.add_argument("--progressive", action="store_true", help="train stages K=1..--steps, each from the previous")
     p.add_argument("--resume", action="store_true", help="continue a killed run in --out")
@@ -188,10 +189,15 @@ def build_head(args, store: FeatureStore, target_head) -> DraftModel:
         draft = DraftModel.from_pretrained(args.init_from)
         if draft.config.arch != args.arch:
             raise ValueError(f"--init-from {args.init_from} is a {draft.config.arch} head but --arch is {args.arch}")
+        size = draft.config.draft_vocab_size
+        if args.draft_vocab not in (None, size):
+            raise ValueError(f"--init-from {args.init_from} has a draft vocabulary of {size or 'all'} tokens but "
+                             f"--draft-vocab is {args.draft_vocab}: pass its size, or widen the head first "
+                             "(python -m training.vocab HEAD --size N --out DIR)")
         draft.requires_grad_(True)
     else:
         layers = {"feature_layers": store.feature_layers} if args.arch in FUSED_ARCHS else {}
-        config = DraftConfig.from_target(target_head.config, arch=args.arch, draft_vocab_size=args.draft_vocab,
+        config = DraftConfig.from_target(target_head.config, arch=args.arch, draft_vocab_size=args.draft_vocab or 0,
                                          **layers)
         draft = DraftModel(config)
         if args.draft_vocab:

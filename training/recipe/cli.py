@@ -49,7 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--regen-batch", type=int, default=16, help="prompts per generate call (pipeline-throughput.md)")
     p.add_argument("--regen-new-tokens", type=int, default=320)
     p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="tokens the heads can propose (default: 8192 for a new recipe, else its record's); a rerun "
+                        "with a larger N widens each head before its next chunk (python -m training.vocab)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
                    help="compute dtype of every step (regeneration, features, and autocast in training and scoring); "

@@ -11,7 +11,7 @@ from griffin.io import atomic_write_json, atomic_write_text
 
 from ..data import iter_records
 from ..store import StoreError
-from .schedule import SCHEDULE, Head, all_heads, chunk_source, final_heads, fixed_sets, stage_of
+from .schedule import DRAFT_VOCAB, SCHEDULE, Head, all_heads, chunk_source, final_heads, fixed_sets, stage_of
 
 STATE = "recipe.json"
 
@@ -34,9 +34,18 @@ def chunks_done(state: dict, head: Head) -> int:
 
 
 def load_state(path: Path, cfg: dict) -> dict:
+    """The record at ``path`` checked against ``cfg`` (a new one if there is none). ``cfg["draft_vocab"]`` None (no
+    --draft-vocab) becomes the record's, or the default of a new recipe; a record's vocabulary can grow, not shrink."""
     if not path.is_file():
+        cfg["draft_vocab"] = DRAFT_VOCAB if cfg["draft_vocab"] is None else cfg["draft_vocab"]
         return {"settings": cfg, "heads": {}, "curve": [], "timings": []}
     state = json.loads(path.read_text())
+    kept = state["settings"]["draft_vocab"]
+    if cfg["draft_vocab"] is None:
+        cfg["draft_vocab"] = kept
+    elif cfg["draft_vocab"] != kept and not 0 < kept < cfg["draft_vocab"]:
+        raise StoreError(f"{path}'s heads propose {kept or 'all'} tokens and --draft-vocab {cfg['draft_vocab']} "
+                         f"would not widen that: rerun without --draft-vocab, or with more than {kept} tokens")
     state["settings"].setdefault("generation", 2)  # records from before --generation
     if bool(state["settings"]["regen_records"]) != bool(cfg["regen_records"]):
         raise StoreError(f"{path} was made {'with' if state['settings']['regen_records'] else 'without'} regenerated "

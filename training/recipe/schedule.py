@@ -9,7 +9,8 @@ from dataclasses import dataclass
 LR = {1: 1e-3, 2: 6e-4, 3: 6e-4}  # peak learning rate of the first chunk of each stage
 LR_DECAY = 0.85  # per chunk within a stage
 REGEN_LR = 0.3  # the peak rate of a chunk of the target's answers, relative to LR[stage] * LR_DECAY**i
-SCHEDULE = ("lr", "lr_decay", "regen_lr", "regen_records")  # settings a rerun may change (for the chunks to come)
+DRAFT_VOCAB = 8192  # the heads' draft vocabulary of a new recipe
+SCHEDULE = ("lr", "lr_decay", "regen_lr", "regen_records", "draft_vocab")  # a rerun may change (for the chunks to come)
 
 
 @dataclass(frozen=True)

@@ -311,6 +311,8 @@ def train(args, cfg: dict, state: dict, head: Head, chunk: int, store: Path) -> 
         local = run_folder(args, source, chunk - 1)
         init = local if (local / "model.safetensors").is_file() and (local / "validation.json").is_file() else \
             head_folder(args, source)
+    if init is not None:
+        init = widened(cfg, run, init)
     lr = peak_lr(cfg, chunk)
     passes = ["--ttt-steps", str(head.ttt)] if head.ttt else ["--steps", str(head.steps[stage - 1])]
     argv = ["--features", str(store), "--out", str(run), "--arch", head.arch, *passes,
@@ -322,6 +324,18 @@ def train(args, cfg: dict, state: dict, head: Head, chunk: int, store: Path) -> 
         argv.append("--resume")
     scheduler.python("training.train", *argv)
     return run
+
+
+def widened(cfg: dict, run: Path, init: Path) -> Path:
+    """``init``, or its copy widened to the recipe's draft vocabulary beside ``run`` where a rerun raised it."""
+    size = json.loads((init / "config.json").read_text()).get("draft_vocab_size") or 0
+    if size == cfg["draft_vocab"]:
+        return init
+    wide = run.with_name(f"{run.name}-init-{cfg['draft_vocab']}")
+    if not (wide / "config.json").is_file():  # written after the weights
+        scheduler.python("training.vocab", str(init), "--size", str(cfg["draft_vocab"]), "--out", str(wide),
+                         "--target", cfg["target"], "--data", cfg["data"])
+    return wide
 
 
 def train_and_score(args, cfg: dict, state: dict, head: Head, chunk: int, store: Path,
