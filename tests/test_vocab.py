@@ -70,6 +70,8 @@ def test_widening_refuses_what_it_cannot_do():
     head, theirs = fused_head(torch.arange(0, 128, 2))
     with pytest.raises(ValueError, match="not cut"):
         grow(head, torch.arange(128), 32, theirs)
+    with pytest.raises(ValueError, match="names only 2 tokens the head lacks, 16 are needed"):
+        grow(head, torch.tensor([0, 1, 3]), 80, theirs)
     with pytest.raises(ValueError, match="larger than the target's vocabulary"):
         grow(head, torch.arange(128), 129, theirs)
     full = DraftModel(DraftConfig.from_target(tiny_model(hidden=32).config, arch="eagle3"))

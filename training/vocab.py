@@ -68,6 +68,8 @@ def grow(draft: DraftModel, ranked: torch.Tensor, size: int, target_lm_head: tor
     member = torch.zeros(draft.config.vocab_size, dtype=torch.bool)
     member[old] = True
     added = ranked[~member[ranked]][: size - len(old)]
+    if len(old) + len(added) < size:
+        raise ValueError(f"the ranking names only {len(added)} tokens the head lacks, {size - len(old)} are needed")
     ids, order = torch.cat((old, added)).sort()  # the vocabulary stays sorted by target id
     if draft.lm_head is not None:
         own = draft.lm_head.weight.detach().float().cpu()  # [V_old, H]
