@@ -24,7 +24,7 @@ from tests.test_features import conversations, shards_equal, write_data
 from training import recipe
 from training.recipe import cli, progress, publish, schedule, scheduler, steps
 from training.recipe import run as loop
-from training.store import MANIFEST
+from training.store import MANIFEST, StoreError
 
 
 def test_shard_ranges_build_the_shards_of_a_full_run_and_no_manifest(tmp_path, tiny_target_dir):
@@ -708,6 +708,10 @@ def test_the_eagle3_generation_trains_its_heads_with_training_time_test_on_three
     settings = json.loads((ckpt / "recipe.json").read_text())["settings"] | {"draft_vocab": None}
     progress.load_state(ckpt / "recipe.json", settings)  # no --draft-vocab: the record's; a new recipe: 8192
     assert settings["draft_vocab"] == 640 and cli.parse_args([]).draft_vocab is None
+    other = settings | {"draft_vocab": None, "max_len": 64}  # a record not used lends its vocabulary to nothing
+    with pytest.raises(StoreError, match="max_len differ"):
+        progress.load_state(ckpt / "recipe.json", other)
+    assert other["draft_vocab"] is None
     fresh = settings | {"draft_vocab": None}
     assert progress.load_state(tmp_path / "none.json", fresh)["settings"]["draft_vocab"] == schedule.DRAFT_VOCAB == 8192
     code, err = run_main("training.recipe", *args, "--chunks", "5")  # its --draft-vocab 512 would cut the heads'

@@ -40,12 +40,6 @@ def load_state(path: Path, cfg: dict) -> dict:
         cfg["draft_vocab"] = DRAFT_VOCAB if cfg["draft_vocab"] is None else cfg["draft_vocab"]
         return {"settings": cfg, "heads": {}, "curve": [], "timings": []}
     state = json.loads(path.read_text())
-    kept = state["settings"]["draft_vocab"]
-    if cfg["draft_vocab"] is None:
-        cfg["draft_vocab"] = kept
-    elif cfg["draft_vocab"] != kept and not 0 < kept < cfg["draft_vocab"]:
-        raise StoreError(f"{path}'s heads propose {kept or 'all'} tokens and --draft-vocab {cfg['draft_vocab']} "
-                         f"would not widen that: rerun without --draft-vocab, or with more than {kept} tokens")
     state["settings"].setdefault("generation", 2)  # records from before --generation
     if bool(state["settings"]["regen_records"]) != bool(cfg["regen_records"]):
         raise StoreError(f"{path} was made {'with' if state['settings']['regen_records'] else 'without'} regenerated "
@@ -61,6 +55,12 @@ def load_state(path: Path, cfg: dict) -> dict:
     for row in state["timings"]:  # rows from before --regen-records could change: the settings' count
         if row["kind"] == "regen":
             row.setdefault("regen_records", state["settings"]["regen_records"])
+    kept = state["settings"]["draft_vocab"]
+    if cfg["draft_vocab"] is None:  # set only for a record that is used
+        cfg["draft_vocab"] = kept
+    elif cfg["draft_vocab"] != kept and not 0 < kept < cfg["draft_vocab"]:
+        raise StoreError(f"{path}'s heads propose {kept or 'all'} tokens and --draft-vocab {cfg['draft_vocab']} "
+                         f"would not widen that: rerun without --draft-vocab, or with more than {kept} tokens")
     state["settings"] |= {k: cfg[k] for k in SCHEDULE}  # the schedule of the chunks to come
     return state
 
