@@ -1,4 +1,5 @@
-"""The GRIFFIN paper's ablation on our target: acceptance length of five heads trained on the same data and budget.
+"""The GRIFFIN paper's ablation on our target: acceptance length of the five heads trained on the same data and budget,
+beside the EAGLE-3-generation heads (``eagle3``, ``griffin3``) that ``training.recipe --generation 3`` trains.
 
     python -m benchmarks.ablation --run --replay  # offline replays (inference.tau) of every head, then the report
     python -m benchmarks.ablation --run          # speed runs of the real engine (our generator only), then the report
@@ -7,8 +8,10 @@
 Heads are ``checkpoints/<target>-<name>`` for the names below; every head uses the same tree and generation settings.
 Only runs of a head's present weights count (the weights digest each run records).
 Two sources of τ, the same quantity (:mod:`inference.tau` says why): ``--replay`` replays every head's
-drafting against the target's stored continuations (:mod:`inference.tau`: one target forward per prompt for all five
-heads, minutes instead of hours), files ``tau-<bench>-T<temp>.json``; without it, speed runs of the generator, files
+drafting against the target's stored continuations (:mod:`inference.tau`: one target forward per prompt for all the
+heads it runs, minutes instead of hours), files ``tau-<bench>-T<temp>.json``; heads added later (or retrained) replay
+in a file of their own, ``tau-<bench>-T<temp>-<name>.json``, beside a rerun of GRIFFIN, so that each head is paired with
+a GRIFFIN run of the same machine and draft dtype. Without ``--replay``, speed runs of the generator, files
 ``<bench>-<target>-<head>-T<temp>.json``. Either goes to ``benchmarks/results/ablation/``; the report to
 ``benchmarks/results/ablation.md`` (table of τ, and GRIFFIN against each head paired over the same prompts) and
 ``ablation.png`` (plot).
@@ -35,9 +38,12 @@ HEADS = {  # label -> checkpoint suffix; arch, K and top-k of each in the model 
     "w/o TAD (eagle, K=3, top-3 mask)": "eagle-tat",
     "HASS (eagle, K=3, no mask)": "hass",
     "EAGLE-2 (eagle, K=1)": "eagle2",
+    "EAGLE-3 (eagle3, TTT 7)": "recipe3/wip-eagle3",
+    "GRIFFIN on EAGLE-3 (griffin3, TTT 7, top-3 mask)": "recipe3/wip-griffin3",
 }
 BASELINE = "EAGLE-2 (eagle, K=1)"
 OURS = "GRIFFIN"
+NEW_BASE = ("EAGLE-3 (eagle3, TTT 7)", "GRIFFIN on EAGLE-3 (griffin3, TTT 7, top-3 mask)")  # (reference, head)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,12 +80,23 @@ def run_limit(args, bench: str, temperature: float) -> int | None:
     return None if bench == "mt_bench" and temperature == 0 else 20
 
 
+def head_folder(args, suffix: str) -> Path:
+    return Path(args.checkpoints) / f"{args.target}-{suffix}"
+
+
 def result_path(args, bench: str, suffix: str, temperature: float) -> Path:
-    return Path(args.results) / f"{bench}-{args.target}-{suffix}-T{temperature:g}.json"
+    return Path(args.results) / f"{bench}-{args.target}-{suffix.replace('/', '-')}-T{temperature:g}.json"
 
 
-def replay_path(args, bench: str, temperature: float) -> Path:
-    return Path(args.results) / f"tau-{bench}-T{temperature:g}.json"
+def replay_path(args, bench: str, temperature: float, tag: str = "") -> Path:
+    return Path(args.results) / f"tau-{bench}-T{temperature:g}{'-' + tag if tag else ''}.json"
+
+
+def replay_files(args, bench: str, temperature: float) -> list[Path]:
+    """The replay files of one column: the first run's file, then those of heads added later."""
+    first = replay_path(args, bench, temperature)
+    later = sorted(Path(args.results).glob(f"{first.stem}-*.json"))
+    return ([first] if first.is_file() else []) + later
 
 
 def tree_argv(args, bench: str, temperature: float) -> list[str]:
@@ -93,7 +110,7 @@ def run_missing(args, temperatures: list[float]) -> None:
     from inference import speed
 
     for suffix in args.heads.split(","):
-        head = Path(args.checkpoints) / f"{args.target}-{suffix}"
+        head = head_folder(args, suffix)
         for temperature in temperatures:
             for bench in args.benches.split(","):
                 if result_path(args, bench, suffix, temperature).is_file():
@@ -103,23 +120,31 @@ def run_missing(args, temperatures: list[float]) -> None:
 
 
 def run_missing_replays(args, temperatures: list[float]) -> None:
-    """One replay per bench and temperature with every head at once (the target's forward is shared)."""
+    """One replay per bench and temperature with every head it lacks at once (the target's forward is shared); a
+    column that already has a file gets a second one, with GRIFFIN rerun in it as the pairing reference."""
     from inference import tau
 
-    heads = [str(Path(args.checkpoints) / f"{args.target}-{suffix}") for suffix in args.heads.split(",")]
+    suffixes = args.heads.split(",")
     for temperature in temperatures:
         for bench in args.benches.split(","):
+            present = {name for path in replay_files(args, bench, temperature)
+                       for name, digest in json.loads(path.read_text()).get("head_digests", {}).items()
+                       if any(head_folder(args, s).name == name and digest == head_digest(args, s) for s in suffixes)}
+            missing = [s for s in suffixes if head_folder(args, s).name not in present]
+            if not missing:
+                continue
             path = replay_path(args, bench, temperature)
             if path.is_file():
-                continue
-            tau.main(["--heads", *heads, "--bench", bench, "--temperatures", f"{temperature:g}",
-                      "--threads", str(args.threads), "--out", str(path.with_suffix("")),
-                      *tree_argv(args, bench, temperature)])
+                path = replay_path(args, bench, temperature, missing[0].split("/")[0])
+                missing = [HEADS[OURS]] * (HEADS[OURS] not in missing) + missing
+            tau.main(["--heads", *(str(head_folder(args, s)) for s in missing), "--bench", bench,
+                      "--temperatures", f"{temperature:g}", "--threads", str(args.threads),
+                      "--out", str(path.with_suffix("")), *tree_argv(args, bench, temperature)])
 
 
 def head_digest(args, suffix: str) -> str | None:
     """The weights digest of a head's checkpoint (None where it is missing: none of its runs count)."""
-    folder = Path(args.checkpoints) / f"{args.target}-{suffix}"
+    folder = head_folder(args, suffix)
     return weights_digest(folder) if (folder / "config.json").is_file() else None
 
 
@@ -143,26 +168,40 @@ def speed_runs(args, columns: list[tuple]) -> tuple[dict[str, dict[tuple, dict]]
 
 
 def replays(args, columns: list[tuple]) -> tuple[dict[str, dict[tuple, dict]], list[str]]:
-    """The same as :func:`speed_runs`, read from the replay files (one per column, every head in it)."""
+    """The same as :func:`speed_runs`, read from the replay files (per column the first file, then those of heads
+    added later; a head counts from the first file holding its present weights). Each run also carries ``reference``,
+    GRIFFIN's run in the same file when there is one, and ``source``, the file's name, machine and draft dtype."""
     runs: dict[str, dict[tuple, dict]] = {}
     stale = []
     for bench, t in columns:
-        path = replay_path(args, bench, t)
-        if not path.is_file():
-            continue
-        result = json.loads(path.read_text())
-        for label, suffix in HEADS.items():
-            name = f"{args.target}-{suffix}"
-            run = result["heads"].get(name, {}).get(f"{t:g}")
-            if run is None:
-                continue
-            if result.get("head_digests", {}).get(name) != head_digest(args, suffix):
-                stale.append(f"{path.name} ({suffix})")
-                continue
-            runs.setdefault(label, {})[(bench, t)] = {
-                **run, "command": result["command"], "tree": result["tree"],
-                "max_new_tokens": result["max_new_tokens"]}
+        for path in replay_files(args, bench, t):
+            result = json.loads(path.read_text())
+            found = {}
+            for label, suffix in HEADS.items():
+                name = head_folder(args, suffix).name
+                run = result["heads"].get(name, {}).get(f"{t:g}")
+                if run is None:
+                    continue
+                if result.get("head_digests", {}).get(name) != head_digest(args, suffix):
+                    stale.append(f"{path.name} ({suffix})")
+                    continue
+                found[label] = {**run, "command": result["command"], "tree": result["tree"],
+                                "max_new_tokens": result["max_new_tokens"],
+                                "source": {"file": path.name, "machine": result.get("machine", {}).get("cpu", "?"),
+                                           "draft_dtype": result.get("draft_dtype", "?"),
+                                           "seconds": result.get("seconds")}}
+            for label, run in found.items():
+                if (bench, t) not in runs.get(label, {}):
+                    runs.setdefault(label, {})[(bench, t)] = {**run, "reference": found.get(OURS)}
     return runs, stale
+
+
+def tokens_trained(args, suffix: str) -> int | None:
+    """Tokens a head has trained on, summed over the stages its checkpoint records (None where it records none)."""
+    path = head_folder(args, suffix) / "stages.json"
+    if not path.is_file():
+        return None
+    return sum(epoch.get("tokens", 0) for stage in json.loads(path.read_text()) for epoch in stage.get("epochs", []))
 
 
 def standard_error(values: list[float]) -> float | None:
@@ -189,7 +228,7 @@ def report(args, temperatures: list[float]) -> str:
     settings = next((run["tree"], run["max_new_tokens"]) for found in runs.values() for run in found.values())
     columns = [c for c in columns if c in prompts]
     names = [f"{b} T={t:g} ({'/'.join(map(str, sorted(prompts[(b, t)])))})" for b, t in columns]
-    headers = ["head"] + names + ["mean", f"mean vs {BASELINE.split(' ')[0]}"]
+    headers = ["head", "tokens"] + names + ["mean", f"mean vs {BASELINE.split(' ')[0]}"]
     base = taus.get(BASELINE, {})
     rows = []
     for label in HEADS:
@@ -199,45 +238,74 @@ def report(args, temperatures: list[float]) -> str:
         present = [v for v in values if v is not None]
         mean = sum(present) / len(present)
         ratios = [v / base[c] for v, c in zip(values, columns) if v is not None and c in base]
-        rows.append([label] + [cell(v, errors.get(label, {}).get(c)) for v, c in zip(values, columns)] + [mean] +
+        tokens = tokens_trained(args, HEADS[label])
+        rows.append([label, "-" if tokens is None else f"{tokens / 1e6:.2f}M"] +
+                    [cell(v, errors.get(label, {}).get(c)) for v, c in zip(values, columns)] + [mean] +
                     [f"{sum(ratios) / len(ratios):.3f}x" if ratios else "-"])
     source = ("offline replays of each head's drafting against the target's stored continuations "
               "(`inference.tau`, whose docstring shows why that is the engine's τ)" if args.replay else
               "speed runs of the generator")
     text = ("# Ablation: acceptance length τ on SmolLM2-135M-Instruct\n\n"
-            f"τ = new tokens per target forward pass, from {source}. Same features, data split and number of updates "
-            f"for every head; tree {settings[0]}, up to {settings[1]} new tokens, fp32 target. Column headers give "
+            f"τ = new tokens per target forward pass, from {source}. `tokens`: what each head has trained on (the "
+            "stages its checkpoint records); heads with the same count trained on the same features, data split and "
+            "schedule (the first five: the GRIFFIN paper's ablation; the last two: `training.recipe --generation 3`, "
+            f"still training). Tree {settings[0]}, up to {settings[1]} new tokens, fp32 target. Column headers give "
             "the number of prompts (MT-Bench: both turns of each question); ± is the standard error of the mean of "
             "per-prompt τ (the spread over prompts; at T=0 all heads answer the same prompts, so a difference between "
             "heads is less noisy than that: see the paired table).\n\n" + markdown_table(headers, rows))
-    text += paired_section(runs, columns, names)
+    text += paired_section(runs, columns, names, OURS)
+    text += paired_section({label: runs[label] for label in NEW_BASE if label in runs}, columns, names, NEW_BASE[1])
+    text += sources_section(runs) if args.replay else ""
     text += (f"\nProduced by `python -m benchmarks.ablation{' --replay' if args.replay else ''}`, from these runs:\n\n"
              + "".join(f"- `{c}`\n" for c in sorted(commands)))
     plot(args, taus, errors, columns)
     return text
 
 
-def paired_section(runs: dict[str, dict[tuple, dict]], columns: list[tuple], names: list[str]) -> str:
-    """GRIFFIN minus each other head, per column, paired over the prompts both ran (empty without GRIFFIN)."""
-    ours = runs.get(OURS, {})
+def paired_section(runs: dict[str, dict[tuple, dict]], columns: list[tuple], names: list[str], ours_label: str) -> str:
+    """``ours_label`` minus each other head, per column, paired over the prompts both ran (empty without it). Against
+    GRIFFIN a head pairs with the GRIFFIN run of its own replay file where there is one (same machine and dtype)."""
+    ours = runs.get(ours_label, {})
     rows = []
     for label, found in runs.items():
-        if label == OURS:
+        if label == ours_label:
             continue
         row = [label]
         for c in columns:
-            pair = (paired_difference(ours[c].get("per_prompt", []), found[c].get("per_prompt", []))
-                    if c in ours and c in found else None)
+            own = found[c].get("reference") if c in found and ours_label == OURS else None
+            reference = (own or ours.get(c)) if c in found else None
+            pair = (paired_difference(reference.get("per_prompt", []), found[c].get("per_prompt", []))
+                    if reference is not None else None)
             if pair is None:
                 row.append("-")
                 continue
             error = "" if math.isnan(pair["se"]) else f" ± {pair['se']:.3f}"
-            row.append(f"{pair['mean']:+.3f}{error} ({ours[c]['tau'] / found[c]['tau']:.3f}x)")
+            row.append(f"{pair['mean']:+.3f}{error} ({reference['tau'] / found[c]['tau']:.3f}x)")
         rows.append(row)
     if not rows or all(v == "-" for row in rows for v in row[1:]):
         return ""
-    return (f"\n## {OURS} against each head, paired\n\nMean over the prompts both heads ran of τ({OURS}) − τ(head), ± "
-            f"its standard error, and the ratio of the two τ.\n\n" + markdown_table(["head"] + names, rows))
+    against = "each head" if len(rows) > 1 else rows[0][0]
+    return (f"\n## {ours_label} against {against}, paired\n\nMean over the prompts both heads ran of "
+            f"τ({ours_label}) − τ(head), ± its standard error, and the ratio of the two τ"
+            + (" (each head against the GRIFFIN run of its own replay file where it has one)" if ours_label == OURS
+               else "") + ".\n\n" + markdown_table(["head"] + names, rows))
+
+
+def sources_section(runs: dict[str, dict[tuple, dict]]) -> str:
+    """Which replay file each column's heads come from, with its machine and draft dtype, and GRIFFIN's τ in each
+    (where a column has several files, GRIFFIN's two τ show what the machine and dtype change)."""
+    files: dict[str, dict] = {}
+    for label, found in runs.items():
+        for run in found.values():
+            entry = files.setdefault(run["source"]["file"], {**run["source"], "heads": [], "griffin": None})
+            entry["heads"].append(label)
+            if run.get("reference") is not None:
+                entry["griffin"] = run["reference"]["tau"]
+    rows = [[f"`{name}`", entry["machine"], entry["draft_dtype"], ", ".join(entry["heads"]),
+             "-" if entry["griffin"] is None else f"{entry['griffin']:.3f}",
+             "-" if entry["seconds"] is None else f"{entry['seconds']:.0f}"] for name, entry in sorted(files.items())]
+    return ("\n## Replay files\n\n" + markdown_table(["file", "machine", "draft dtype", "heads counted from it",
+                                                        "GRIFFIN τ in it", "seconds"], rows))
 
 
 def cell(tau: float | None, error: float | None) -> str | float:

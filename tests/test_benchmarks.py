@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
@@ -23,6 +24,9 @@ def fake_heads(checkpoints: Path, suffixes) -> dict[str, str]:
         folder.mkdir(parents=True)
         (folder / "config.json").write_text("{}")
         (folder / "model.safetensors").write_bytes(bytes([i]))
+        if i == 0:  # the first head records what it trained on, as every trained checkpoint does
+            stages = [{"epochs": [{"tokens": 15_000_000}, {"tokens": 757_824}]}, {"epochs": [{"tokens": 0}]}]
+            (folder / "stages.json").write_text(json.dumps(stages))
         digests[suffix] = weights_digest(folder)
     return digests
 
@@ -36,7 +40,7 @@ def test_ablation_report_and_readme_section_count_only_runs_of_the_present_weigh
     for i, suffix in enumerate(ablation.HEADS.values()):
         for bench in ("mt_bench", "humaneval", "gsm8k"):
             for t in (0, 1):
-                name = f"{bench}-smollm2-135m-instruct-{suffix}-T{t}.json"
+                name = f"{bench}-smollm2-135m-instruct-{suffix.replace('/', '-')}-T{t}.json"
                 (results / "ablation" / name).write_text(json.dumps(fake_result(bench, suffix, float(t),
                                                                                 3.0 - 0.2 * i, digests[suffix])))
                 if suffix == "griffin":  # the headline runs of the shipped head
@@ -50,9 +54,11 @@ def test_ablation_report_and_readme_section_count_only_runs_of_the_present_weigh
                           "--checkpoints", str(checkpoints)]) == 0
     assert "left out 1 runs" in capsys.readouterr().out
     report = (results / "ablation.md").read_text()
-    assert "| GRIFFIN | 3.00 ± 0.10 |" in report and "1.364x" in report  # 3.0 / 2.2 against EAGLE-2
-    assert "| HASS (eagle, K=3, no mask) | - | 2.40 ± 0.10 |" in report  # its stale mt_bench run left out
+    assert "| GRIFFIN | 15.76M | 3.00 ± 0.10 |" in report and "1.364x" in report  # 3.0 / 2.2 against EAGLE-2
+    assert "| HASS (eagle, K=3, no mask) | - | - | 2.40 ± 0.10 |" in report  # its stale mt_bench run left out
     assert "| EAGLE-2 (eagle, K=1) | +0.800 ± 0.000 (1.364x) |" in report  # paired by question and turn
+    assert "## GRIFFIN on EAGLE-3 (griffin3, TTT 7, top-3 mask) against EAGLE-3 (eagle3, TTT 7), paired" in report
+    assert "| EAGLE-3 (eagle3, TTT 7) | -0.200 ± 0.000 (0.900x) |" in report  # 1.8 - 2.0
     assert (results / "ablation.png").stat().st_size > 1000
     readme = tmp_path / "bench" / "README.md"
     readme.parent.mkdir()
@@ -64,12 +70,12 @@ def test_ablation_report_and_readme_section_count_only_runs_of_the_present_weigh
     assert ("| mt_bench | 0.00 | fp32 | Intel Xeon | 1 | 80 | 128 | 24 nodes, depth 5 | 3.50 | **1.50x** (own loop) | "
             "2.00x |") in text  # the CPU without trademark signs
     assert "| 20.0 (linear) | 1.20x | 1.00 |" in text  # prompt lookup: a ratio of tokens/s (18 / 15), not of times
-    assert "| GRIFFIN | 3.00 ± 0.10 |" in text and "+0.800 ± 0.000" not in text  # the τ table, not the paired one
+    assert "| GRIFFIN | 15.76M | 3.00 ± 0.10 |" in text and "+0.800 ± 0.000" not in text  # the τ table only
     from griffin.report import result_stem
 
     assert result_stem("gsm8k", "h", 0.0, "fp32") == "gsm8k-h-T0" and result_stem("gsm8k", "h", 1.0, "bf16") == \
         "gsm8k-h-T1-bf16"
-    assert "](../results/ablation.md)" in text and "| GRIFFIN | 3.00 ± 0.10 |" in text  # links from the readme
+    assert "](../results/ablation.md)" in text and "| GRIFFIN | 15.76M | 3.00 ± 0.10 |" in text  # links from the readme
     assert "[json](../results/mt_bench-smollm2-135m-instruct-griffin-T0.json)" in text
 
 
@@ -79,6 +85,8 @@ def test_ablation_from_replays_runs_every_head_at_once_and_pairs_griffin_with_ea
 
     checkpoints = tmp_path / "checkpoints"
     digests = fake_heads(checkpoints, ablation.HEADS.values())
+    by_name = {ablation.head_folder(argparse.Namespace(checkpoints=checkpoints, target="smollm2-135m-instruct"),
+                                    suffix).name: digest for suffix, digest in digests.items()}
     calls = []
 
     def fake_tau(argv):  # writes what inference.tau writes: one file per bench and T with every head in it
@@ -87,12 +95,14 @@ def test_ablation_from_replays_runs_every_head_at_once_and_pairs_griffin_with_ea
         t = argv[argv.index("--temperatures") + 1]
         out = Path(argv[argv.index("--out") + 1])
         result = {"command": "python -m inference.tau " + " ".join(argv), "max_new_tokens": 128,
-                  "tree": {"depth": 5, "top_k": 8, "total_tokens": 24}, "heads": {},
-                  "head_digests": {Path(h).name: digests[Path(h).name.removeprefix("smollm2-135m-instruct-")]
-                                   for h in heads}}
+                  "tree": {"depth": 5, "top_k": 8, "total_tokens": 24}, "heads": {}, "draft_dtype": "float32",
+                  "machine": {"cpu": f"CPU {len(calls)}"}, "seconds": 10.0,
+                  "head_digests": {Path(h).name: by_name[Path(h).name] for h in heads}}
         for i, head in enumerate(heads):
-            per_prompt = [{"question_id": q, "turn": 0, "tau": 3.0 - 0.2 * i + 0.1 * q} for q in range(4)]
-            result["heads"][Path(head).name] = {t: {"tau": 3.15 - 0.2 * i, "n_prompts": 4, "per_prompt": per_prompt}}
+            shift = 0.01 * len(calls)  # every replay measures a little differently, so a pairing shows its source
+            per_prompt = [{"question_id": q, "turn": 0, "tau": 3.0 - 0.2 * i + 0.1 * q + shift} for q in range(4)]
+            result["heads"][Path(head).name] = {t: {"tau": 3.15 - 0.2 * i + shift, "n_prompts": 4,
+                                                    "per_prompt": per_prompt}}
         out.with_suffix(".json").write_text(json.dumps(result))
         return 0
 
@@ -102,16 +112,25 @@ def test_ablation_from_replays_runs_every_head_at_once_and_pairs_griffin_with_ea
     common = ["--replay", "--results", str(results), "--report", str(report), "--benches", "mt_bench,gsm8k",
               "--checkpoints", str(checkpoints)]
     assert ablation.main(["--run", *common, "--threads", "2"]) == 0
-    assert len(calls) == 4 and all(len(argv[argv.index("--heads") + 1: argv.index("--bench")]) == 5 for argv in calls)
+    assert len(calls) == 4 and all(len(argv[argv.index("--heads") + 1: argv.index("--bench")]) == 7 for argv in calls)
     limits = {(a[a.index("--bench") + 1], a[a.index("--temperatures") + 1]): a[a.index("--limit") + 1]
               if "--limit" in a else None for a in calls}
     assert limits == {("mt_bench", "0"): None, ("gsm8k", "0"): "20", ("mt_bench", "1"): "20", ("gsm8k", "1"): "20"}
     text = report.read_text()
-    assert "offline replays" in text and "| GRIFFIN | 3.15 ± 0.06 |" in text
-    assert "| EAGLE-2 (eagle, K=1) | +0.800 ± 0.000 (1.340x) |" in text  # 3.15 / 2.35, paired prompt by prompt
+    assert "offline replays" in text and "| GRIFFIN | 15.76M | 3.16 ± 0.06 |" in text
+    assert "| EAGLE-2 (eagle, K=1) | +0.800 ± 0.000 (1.339x) |" in text  # 3.16 / 2.36, paired prompt by prompt
     assert ablation.main(["--run", *common]) == 0 and len(calls) == 4  # nothing missing: nothing rerun
     (checkpoints / "smollm2-135m-instruct-eagle2" / "model.safetensors").write_bytes(b"retrained")
     assert ablation.main(common) == 0 and "| EAGLE-2" not in report.read_text()  # its replays are of other weights
+    # a retrained (or added) head replays in a file of its own, beside a GRIFFIN rerun it is paired with
+    by_name["smollm2-135m-instruct-eagle2"] = ablation.weights_digest(checkpoints / "smollm2-135m-instruct-eagle2")
+    assert ablation.main(["--run", *common, "--benches", "mt_bench"]) == 0 and len(calls) == 6
+    assert [Path(a[a.index("--heads") + 1]).name for a in calls[4:]] == ["smollm2-135m-instruct-griffin"] * 2
+    assert (results / "tau-mt_bench-T0-eagle2.json").is_file() and not (results / "tau-gsm8k-T0-eagle2.json").exists()
+    text = report.read_text()
+    assert "| GRIFFIN | 15.76M | 3.16 ± 0.06 |" in text  # still from the first file
+    assert "| EAGLE-2 (eagle, K=1) | +0.200 ± 0.000 (1.067x) | - | +0.200" in text  # 3.20 - 3.00 in its file, not 3.16
+    assert "| `tau-mt_bench-T0-eagle2.json` | CPU 5 | float32 | EAGLE-2 (eagle, K=1) | 3.200 | 10 |" in text
     with pytest.raises(FileNotFoundError, match="run with --run first$"):  # no speed runs there
         ablation.main(common[1:])
 
