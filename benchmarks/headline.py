@@ -108,8 +108,9 @@ def section(results_dir: Path, head: str, checkpoints: Path) -> tuple[str, list[
     ablation = results_dir / "ablation.md"
     if ablation.is_file():
         table = "".join(line + "\n" for line in first_table(ablation.read_text()))
-        text += ("\nAblation: acceptance length τ of heads trained on the same data and budget, all with the same "
-                 f"tree ([{ablation.as_posix()}]({ablation.as_posix()})):\n\n{table}"
+        text += ("\nAblation: acceptance length τ of the heads, all with the same tree; heads with the same `tokens` "
+                 "trained on the same data with one schedule "
+                 f"([{ablation.as_posix()}]({ablation.as_posix()})):\n\n{table}"
                  f"\n![ablation]({ablation.with_suffix('.png').as_posix()})\n")
     return text + "\n" + costs(results_dir), stale
 
