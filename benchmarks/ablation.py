@@ -133,9 +133,11 @@ def run_missing_replays(args, temperatures: list[float]) -> None:
             missing = [s for s in suffixes if head_folder(args, s).name not in present]
             if not missing:
                 continue
-            path = replay_path(args, bench, temperature)
-            if path.is_file():
-                path = replay_path(args, bench, temperature, missing[0].split("/")[0])
+            path, n = replay_path(args, bench, temperature), 1
+            while path.is_file():  # a new file: one that holds other heads' present runs must stay
+                tag = missing[0].split("/")[0]
+                path, n = replay_path(args, bench, temperature, tag if n == 1 else f"{tag}-{n}"), n + 1
+            if n > 1:
                 missing = [HEADS[OURS]] * (HEADS[OURS] not in missing) + missing
             tau.main(["--heads", *(str(head_folder(args, s)) for s in missing), "--bench", bench,
                       "--temperatures", f"{temperature:g}", "--threads", str(args.threads),

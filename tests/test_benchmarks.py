@@ -131,6 +131,11 @@ def test_ablation_from_replays_runs_every_head_at_once_and_pairs_griffin_with_ea
     assert "| GRIFFIN | 15.76M | 3.16 ± 0.06 |" in text  # still from the first file
     assert "| EAGLE-2 (eagle, K=1) | +0.200 ± 0.000 (1.067x) | - | +0.200" in text  # 3.20 - 3.00 in its file, not 3.16
     assert "| `tau-mt_bench-T0-eagle2.json` | CPU 5 | float32 | EAGLE-2 (eagle, K=1) | 3.200 | 10 |" in text
+    (checkpoints / "smollm2-135m-instruct-eagle2" / "model.safetensors").write_bytes(b"retrained twice")
+    by_name["smollm2-135m-instruct-eagle2"] = ablation.weights_digest(checkpoints / "smollm2-135m-instruct-eagle2")
+    assert ablation.main(["--run", *common, "--benches", "mt_bench", "--temperatures", "0"]) == 0 and len(calls) == 7
+    assert (results / "tau-mt_bench-T0-eagle2.json").is_file()  # the earlier file is kept, not overwritten
+    assert "| `tau-mt_bench-T0-eagle2-2.json` | CPU 7 |" in report.read_text()
     with pytest.raises(FileNotFoundError, match="run with --run first$"):  # no speed runs there
         ablation.main(common[1:])
 
