@@ -330,12 +330,12 @@ def plot(args, taus: dict, errors: dict, columns: list) -> None:
     width = 0.8 / len(taus)
     for i, (label, values) in enumerate(taus.items()):
         xs = [j + i * width for j in range(len(columns))]
-        ax.bar(xs, [values.get(c, 0) for c in columns], width, label=label,
+        ax.bar(xs, [values.get(c, math.nan) for c in columns], width, label=label,  # a missing run: no bar
                yerr=[errors.get(label, {}).get(c, 0) for c in columns], capsize=2)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(columns))])
     ax.set_xticklabels([f"{b}\nT={t:g}" for b, t in columns])
     ax.set_ylabel("acceptance length τ")
-    ax.set_title("Draft heads on SmolLM2-135M-Instruct (same data and budget)")
+    ax.set_title("Draft heads on SmolLM2-135M-Instruct (one tree; the tokens each trained on: ablation.md)")
     top = max(v for values in taus.values() for v in values.values())
     ax.set_ylim(0, top * 1.3)  # room for the legend above the bars
     ax.legend(fontsize=8, ncol=3, loc="upper center")
