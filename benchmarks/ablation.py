@@ -31,6 +31,7 @@ from griffin.cli import run_cli
 from griffin.io import atomic_write, atomic_write_text, weights_digest
 from griffin.report import markdown_table, paired_difference
 from inference.questions import BENCHES
+from training.export import STAGES
 
 HEADS = {  # label -> checkpoint suffix; arch, K and top-k of each in the model cards
     "GRIFFIN": "griffin",
@@ -200,7 +201,7 @@ def replays(args, columns: list[tuple]) -> tuple[dict[str, dict[tuple, dict]], l
 
 def tokens_trained(args, suffix: str) -> int | None:
     """Tokens a head has trained on, summed over the stages its checkpoint records (None where it records none)."""
-    path = head_folder(args, suffix) / "stages.json"
+    path = head_folder(args, suffix) / STAGES
     if not path.is_file():
         return None
     return sum(epoch.get("tokens", 0) for stage in json.loads(path.read_text()) for epoch in stage.get("epochs", []))
