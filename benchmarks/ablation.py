@@ -6,6 +6,8 @@ beside the EAGLE-3-generation heads (``eagle3``, ``griffin3``) that ``training.r
     python -m benchmarks.ablation                # only rebuild the report from existing results
 
 Heads are ``checkpoints/<target>-<name>`` for the names below; every head uses the same tree and generation settings.
+Columns: MT-Bench, HumanEval and GSM8K at each temperature, and the extra task types (translation, summarisation,
+questions over a passage) at T=0.
 Only runs of a head's present weights count (the weights digest each run records).
 Two sources of τ, the same quantity (:mod:`inference.tau` says why): ``--replay`` replays every head's
 drafting against the target's stored continuations (:mod:`inference.tau`: one target forward per prompt for all the
@@ -30,7 +32,7 @@ from pathlib import Path
 from griffin.cli import run_cli
 from griffin.io import atomic_write, atomic_write_text, weights_digest
 from griffin.report import markdown_table, paired_difference
-from inference.questions import BENCHES
+from inference.questions import BENCHES, EXTRA_BENCHES
 from training.export import STAGES
 
 HEADS = {  # label -> checkpoint suffix; arch, K and top-k of each in the model cards
@@ -67,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=5, help="one fixed tree for every head (not tuned per head)")
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--total-tokens", type=int, default=24)
-    p.add_argument("--benches", default=",".join(BENCHES), help="benches to run (the report shows all it finds)")
+    p.add_argument("--benches", default=",".join(BENCHES + EXTRA_BENCHES),
+                   help="benches to run (the report shows all it finds; the extra task types at T=0 only)")
     p.add_argument("--heads", default=",".join(HEADS.values()),
                    help="comma-separated checkpoint suffixes to run (the report shows all it finds; speed runs: "
                         "split them over several processes to use more cores)")
@@ -78,7 +81,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_limit(args, bench: str, temperature: float) -> int | None:
     if args.limit is not None:
         return args.limit
-    return None if bench == "mt_bench" and temperature == 0 else 20
+    return None if (bench == "mt_bench" and temperature == 0) or bench in EXTRA_BENCHES else 20
+
+
+def columns_of(benches: list[str], temperatures: list[float]) -> list[tuple[str, float]]:
+    """The table's columns: every bench at every temperature, the extra task types (greedy tasks) at T=0 only."""
+    return [(b, t) for t in temperatures for b in benches if b not in EXTRA_BENCHES or t == 0]
 
 
 def head_folder(args, suffix: str) -> Path:
@@ -112,12 +120,11 @@ def run_missing(args, temperatures: list[float]) -> None:
 
     for suffix in args.heads.split(","):
         head = head_folder(args, suffix)
-        for temperature in temperatures:
-            for bench in args.benches.split(","):
-                if result_path(args, bench, suffix, temperature).is_file():
-                    continue
-                speed.main(["--bench", bench, "--draft", str(head), "--methods", "ours", "--temperature",
-                            str(temperature), "--out-dir", args.results, *tree_argv(args, bench, temperature)])
+        for bench, temperature in columns_of(args.benches.split(","), temperatures):
+            if result_path(args, bench, suffix, temperature).is_file():
+                continue
+            speed.main(["--bench", bench, "--draft", str(head), "--methods", "ours", "--temperature",
+                        str(temperature), "--out-dir", args.results, *tree_argv(args, bench, temperature)])
 
 
 def run_missing_replays(args, temperatures: list[float]) -> None:
@@ -126,23 +133,22 @@ def run_missing_replays(args, temperatures: list[float]) -> None:
     from inference import tau
 
     suffixes = args.heads.split(",")
-    for temperature in temperatures:
-        for bench in args.benches.split(","):
-            present = {name for path in replay_files(args, bench, temperature)
-                       for name, digest in json.loads(path.read_text()).get("head_digests", {}).items()
-                       if any(head_folder(args, s).name == name and digest == head_digest(args, s) for s in suffixes)}
-            missing = [s for s in suffixes if head_folder(args, s).name not in present]
-            if not missing:
-                continue
-            path, n = replay_path(args, bench, temperature), 1
-            while path.is_file():  # a new file: one that holds other heads' present runs must stay
-                tag = missing[0].split("/")[0]
-                path, n = replay_path(args, bench, temperature, tag if n == 1 else f"{tag}-{n}"), n + 1
-            if n > 1:
-                missing = [HEADS[OURS]] * (HEADS[OURS] not in missing) + missing
-            tau.main(["--heads", *(str(head_folder(args, s)) for s in missing), "--bench", bench,
-                      "--temperatures", f"{temperature:g}", "--threads", str(args.threads),
-                      "--out", str(path.with_suffix("")), *tree_argv(args, bench, temperature)])
+    for bench, temperature in columns_of(args.benches.split(","), temperatures):
+        present = {name for path in replay_files(args, bench, temperature)
+                   for name, digest in json.loads(path.read_text()).get("head_digests", {}).items()
+                   if any(head_folder(args, s).name == name and digest == head_digest(args, s) for s in suffixes)}
+        missing = [s for s in suffixes if head_folder(args, s).name not in present]
+        if not missing:
+            continue
+        path, n = replay_path(args, bench, temperature), 1
+        while path.is_file():  # a new file: one that holds other heads' present runs must stay
+            tag = missing[0].split("/")[0]
+            path, n = replay_path(args, bench, temperature, tag if n == 1 else f"{tag}-{n}"), n + 1
+        if n > 1:
+            missing = [HEADS[OURS]] * (HEADS[OURS] not in missing) + missing
+        tau.main(["--heads", *(str(head_folder(args, s)) for s in missing), "--bench", bench,
+                  "--temperatures", f"{temperature:g}", "--threads", str(args.threads),
+                  "--out", str(path.with_suffix("")), *tree_argv(args, bench, temperature)])
 
 
 def head_digest(args, suffix: str) -> str | None:
@@ -212,7 +218,7 @@ def standard_error(values: list[float]) -> float | None:
 
 
 def report(args, temperatures: list[float]) -> str:
-    columns = [(b, t) for t in temperatures for b in BENCHES]
+    columns = columns_of(list(BENCHES + EXTRA_BENCHES), temperatures)
     runs, stale = (replays if args.replay else speed_runs)(args, columns)
     if stale:
         print(f"left out {len(stale)} runs of other weights than the heads' present ones: {', '.join(stale)}")

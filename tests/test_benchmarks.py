@@ -109,33 +109,35 @@ def test_ablation_from_replays_runs_every_head_at_once_and_pairs_griffin_with_ea
     monkeypatch.setattr(tau, "main", fake_tau)
     results, report = tmp_path / "ablation", tmp_path / "ablation.md"
     results.mkdir()
-    common = ["--replay", "--results", str(results), "--report", str(report), "--benches", "mt_bench,gsm8k",
-              "--checkpoints", str(checkpoints)]
+    common = ["--replay", "--results", str(results), "--report", str(report), "--benches",
+              "mt_bench,gsm8k,extra_tasks", "--checkpoints", str(checkpoints)]
     assert ablation.main(["--run", *common, "--threads", "2"]) == 0
-    assert len(calls) == 4 and all(len(argv[argv.index("--heads") + 1: argv.index("--bench")]) == 7 for argv in calls)
+    assert len(calls) == 5 and all(len(argv[argv.index("--heads") + 1: argv.index("--bench")]) == 7 for argv in calls)
     limits = {(a[a.index("--bench") + 1], a[a.index("--temperatures") + 1]): a[a.index("--limit") + 1]
               if "--limit" in a else None for a in calls}
-    assert limits == {("mt_bench", "0"): None, ("gsm8k", "0"): "20", ("mt_bench", "1"): "20", ("gsm8k", "1"): "20"}
+    assert limits == {("mt_bench", "0"): None, ("gsm8k", "0"): "20", ("extra_tasks", "0"): None,  # greedy tasks: T=0
+                      ("mt_bench", "1"): "20", ("gsm8k", "1"): "20"}
     text = report.read_text()
     assert "offline replays" in text and "| GRIFFIN | 15.76M | 3.16 ± 0.06 |" in text
     assert "| EAGLE-2 (eagle, K=1) | +0.800 ± 0.000 (1.339x) |" in text  # 3.16 / 2.36, paired prompt by prompt
-    assert ablation.main(["--run", *common]) == 0 and len(calls) == 4  # nothing missing: nothing rerun
+    assert "| extra_tasks T=0 (4) | mt_bench T=1 (4) |" in text  # the extra tasks' column, at T=0 only
+    assert ablation.main(["--run", *common]) == 0 and len(calls) == 5  # nothing missing: nothing rerun
     (checkpoints / "smollm2-135m-instruct-eagle2" / "model.safetensors").write_bytes(b"retrained")
     assert ablation.main(common) == 0 and "| EAGLE-2" not in report.read_text()  # its replays are of other weights
     # a retrained (or added) head replays in a file of its own, beside a GRIFFIN rerun it is paired with
     by_name["smollm2-135m-instruct-eagle2"] = ablation.weights_digest(checkpoints / "smollm2-135m-instruct-eagle2")
-    assert ablation.main(["--run", *common, "--benches", "mt_bench"]) == 0 and len(calls) == 6
-    assert [Path(a[a.index("--heads") + 1]).name for a in calls[4:]] == ["smollm2-135m-instruct-griffin"] * 2
+    assert ablation.main(["--run", *common, "--benches", "mt_bench"]) == 0 and len(calls) == 7
+    assert [Path(a[a.index("--heads") + 1]).name for a in calls[5:]] == ["smollm2-135m-instruct-griffin"] * 2
     assert (results / "tau-mt_bench-T0-eagle2.json").is_file() and not (results / "tau-gsm8k-T0-eagle2.json").exists()
     text = report.read_text()
     assert "| GRIFFIN | 15.76M | 3.16 ± 0.06 |" in text  # still from the first file
-    assert "| EAGLE-2 (eagle, K=1) | +0.200 ± 0.000 (1.067x) | - | +0.200" in text  # 3.20 - 3.00 in its file, not 3.16
-    assert "| `tau-mt_bench-T0-eagle2.json` | CPU 5 | float32 | EAGLE-2 (eagle, K=1) | 3.200 | 10 |" in text
+    assert "| EAGLE-2 (eagle, K=1) | +0.200 ± 0.000 (1.066x) | - | - | +0.200" in text  # 3.21 - 3.01 in its file
+    assert "| `tau-mt_bench-T0-eagle2.json` | CPU 6 | float32 | EAGLE-2 (eagle, K=1) | 3.210 | 10 |" in text
     (checkpoints / "smollm2-135m-instruct-eagle2" / "model.safetensors").write_bytes(b"retrained twice")
     by_name["smollm2-135m-instruct-eagle2"] = ablation.weights_digest(checkpoints / "smollm2-135m-instruct-eagle2")
-    assert ablation.main(["--run", *common, "--benches", "mt_bench", "--temperatures", "0"]) == 0 and len(calls) == 7
+    assert ablation.main(["--run", *common, "--benches", "mt_bench", "--temperatures", "0"]) == 0 and len(calls) == 8
     assert (results / "tau-mt_bench-T0-eagle2.json").is_file()  # the earlier file is kept, not overwritten
-    assert "| `tau-mt_bench-T0-eagle2-2.json` | CPU 7 |" in report.read_text()
+    assert "| `tau-mt_bench-T0-eagle2-2.json` | CPU 8 |" in report.read_text()
     with pytest.raises(FileNotFoundError, match="run with --run first$"):  # no speed runs there
         ablation.main(common[1:])
 
