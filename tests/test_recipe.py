@@ -4,6 +4,7 @@ run that continues on a fresh machine from the committed heads without rebuildin
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import json
 import logging
@@ -668,6 +669,10 @@ def test_the_eagle3_generation_trains_its_heads_with_training_time_test_on_three
         return 0.0
 
     monkeypatch.setattr(scheduler, "python", in_process)
+    eagle3, griffin3 = schedule.GEN3
+    assert [schedule.training_topk(griffin3, c) for c in (0, 9, 10, 30)] == [3, 3, 0, 0]  # the mask to chunk 9 only
+    assert [schedule.training_topk(eagle3, c) for c in (0, 10)] == [0, 0]
+    monkeypatch.setattr(schedule, "GEN3", [eagle3, dataclasses.replace(griffin3, mask_until=1)])  # here: at chunk 1
     ckpt, args = tiny_recipe(tmp_path, tiny_target_dir, "--chunk-shards", "1", "--regen-records", "2",
                              "--generation", "3", "--work", str(tmp_path / "work"),
                              "--sharegpt-store", str(tmp_path / "sharegpt"))
@@ -680,7 +685,11 @@ def test_the_eagle3_generation_trains_its_heads_with_training_time_test_on_three
     runs = {h: json.loads((tmp_path / "work" / "runs" / h / "chunk-001" / "validation.json").read_text())["run"]
             for h in ("eagle3", "griffin3")}
     assert (runs["eagle3"]["arch"], runs["eagle3"]["ttt_steps"], runs["eagle3"]["topk"]) == ("eagle3", 7, 0)
-    assert (runs["griffin3"]["arch"], runs["griffin3"]["ttt_steps"], runs["griffin3"]["topk"]) == ("griffin3", 7, 3)
+    assert (runs["griffin3"]["arch"], runs["griffin3"]["ttt_steps"], runs["griffin3"]["topk"]) == ("griffin3", 7, 0)
+    first = tmp_path / "work" / "runs" / "griffin3" / "chunk-000" / "validation.json"
+    assert json.loads(first.read_text())["run"]["topk"] == 3  # the chunks before mask_until keep the mask
+    scored = [a for m, a in calls if m == "training.evaluate" and "griffin3" in a[0]]
+    assert len(scored) == 4 and all(a[a.index("--topk") + 1] == "3" for a in scored)  # one way for the whole curve
     assert runs["eagle3"]["init_from"] == str(tmp_path / "work" / "runs" / "eagle3" / "chunk-000")
     config = json.loads((ckpt / "wip-griffin3" / "config.json").read_text())
     assert config["arch"] == "griffin3" and len(config["feature_layers"]) == 3

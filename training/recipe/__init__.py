@@ -58,7 +58,8 @@ work branch that no other ref holds (never on main). Bring the branch into main 
 delete it, so that history holds each head once however many chunks the run trained.
 
 **The EAGLE-3 generation** (``--generation 3``): the heads ``eagle3`` (EAGLE-3: training-time test over 7 passes, no
-alignment mask) and ``griffin3`` (Token-Guided Fusion and dual heads on the fused feature, TTT with the top-3 mask),
+alignment mask) and ``griffin3`` (Token-Guided Fusion and dual heads on the fused feature, TTT; the top-3 alignment
+mask in chunks 0-9 only, since on this base it costs first-guess accuracy: ``docs/training.md``),
 on the same chunks and learning rates, one head per architecture from the first chunk (no stages of K, no fork). The
 chunks' features hold the inputs of three target layers (``build_features --feature-layers auto``, 4.6 KB per token:
 ``--sharegpt-store`` defaults to its own folder), and each head is scored on the fixed sets over 3 passes. Its heads

@@ -17,7 +17,7 @@ from ..regenerate import part_cost_file, part_file
 from ..store import BUILD, MANIFEST, StoreError, shard_name, write_manifest
 from . import scheduler
 from .progress import add_seconds, chunk_timing, chunks_done
-from .schedule import Head, all_heads, chunk_source, fixed_sets, heads_of, peak_lr, stage_of
+from .schedule import Head, all_heads, chunk_source, fixed_sets, heads_of, peak_lr, stage_of, training_topk
 
 ANSWERS = "regen-answers"  # in --checkpoints: the target's answers of the chunks some head has yet to train on
 
@@ -316,8 +316,9 @@ def train(args, cfg: dict, state: dict, head: Head, chunk: int, store: Path) -> 
     lr = peak_lr(cfg, chunk)
     passes = ["--ttt-steps", str(head.ttt)] if head.ttt else ["--steps", str(head.steps[stage - 1])]
     argv = ["--features", str(store), "--out", str(run), "--arch", head.arch, *passes,
-            "--topk", str(head.topk), "--lr", f"{lr:.3g}", "--epochs", "1", "--batch-size", str(cfg["batch_size"]),
-            "--draft-vocab", str(cfg["draft_vocab"]), "--mixed-precision", autocast(args), "--save-every", "50"]
+            "--topk", str(training_topk(head, chunk)), "--lr", f"{lr:.3g}", "--epochs", "1",
+            "--batch-size", str(cfg["batch_size"]), "--draft-vocab", str(cfg["draft_vocab"]),
+            "--mixed-precision", autocast(args), "--save-every", "50"]
     if init is not None:
         argv += ["--init-from", str(init)]
     if (run / "train_state").is_dir():
