@@ -45,7 +45,8 @@ HEADS = [Head("griffin", "GRIFFIN", "griffin", (1, 2, 3), 3, "griffin-s1"),
 # The EAGLE-3 generation (``--generation 3``): fused features of three target layers, training-time test over 7
 # passes from the first chunk, one head per architecture and no fork; scored on the fixed sets over 3 passes.
 # griffin3 trained chunks 0-9 with GRIFFIN's top-3 alignment mask and trains without it from chunk 10 on: on this
-# base the mask costs first-guess accuracy, and dropping it from the trained head pays (docs/training.md).
+# base the mask costs first-guess accuracy, and dropping it from the trained head costs no acceptance
+# (docs/training.md).
 GEN3 = [Head("eagle3", "EAGLE-3", "eagle3", (3, 3, 3), 0, ttt=7),
         Head("griffin3", "GRIFFIN on EAGLE-3 (TGF + dual heads, TTT; top-3 alignment mask in chunks 0-9 only)",
              "griffin3", (3, 3, 3), 3, ttt=7, mask_until=10)]
