@@ -293,7 +293,7 @@ def markdown(result: dict, png: str) -> str:
              "speedup vs fastest plain", "ours identical", "generate identical"], rows)]
         lines.append(verdict(run) + "\n")
     lines += [f"Command: `{result['command']}`\n", f"Machine: {machine_text(result['machine'])}; load average "
-              f"{result['machine']['load_average_1m']} when written (other processes sharing the cores).\n",
+              f"{result['machine']['load_average_1m']} when written (this run's own threads count in it).\n",
               f"![throughput]({png})\n"]
     return "\n".join(lines)
 

@@ -129,7 +129,7 @@ def table(result: dict) -> str:
                              layer_rows)
             + f"\nChoice on this machine: {choices}.\n"
             + f"\nCommand: `{result['command']}`\n\nMachine: {machine_text(machine)}, load average "
-            f"{machine['load_average_1m']} (the cores are shared with other work).\n")
+            f"{machine['load_average_1m']} (this run's own threads count in it).\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,6 +38,8 @@ from .sampling import SamplingConfig, greedy, sample, warp
 from .tree import Tree, graft
 from .vocab import DraftVocab
 
+EARN_FROM = 2  # chain tokens a row offers before the target has accepted any (BatchPromptLookup with trim)
+
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x [B, T, ..] at index [B, m] along T -> [B, m, ..]."""
@@ -247,14 +249,24 @@ class BatchPromptLookup:
     """:class:`griffin.drafters.PromptLookup` for B rows: each row's chain is copied from its own context and grafted
     onto its own tree (:func:`griffin.tree.graft`). The rows' trees keep one shape: a chain of ``tokens`` nodes in
     every row (static shapes), or with ``trim`` (the CPU, where reading a tensor costs no sync) of the most real
-    tokens any row found, padding where a row found fewer, and no chain in a cycle where no row found a match."""
+    tokens any row offers, padding where a row offers fewer, and no chain in a cycle where no row found a match.
+
+    With ``trim`` each row also earns its chain's length (``earn=None``: it offers all it found): it offers at most
+    ``limits[b]`` tokens, ``earn`` at first, doubled (up to ``tokens``) when the target accepted all it offered and
+    cut to what it accepted (at least 1) otherwise. One row's matched chain widens every row's pass: on first turns,
+    where little text repeats, a full chain at batch 2 cost more than it gave, while on second turns, which copy from
+    the first answer, it paid; the earned chain keeps most of both
+    (``benchmarks/results/amd-epyc-zen4/chain-earned.md``), since a row that is copying reaches the full chain in a
+    few cycles."""
 
     def __init__(self, inner: BatchHeadDrafter, tokens: int, capacity: int, ngrams: tuple[int, ...] | None = None,
-                 trim: bool = False):
+                 trim: bool = False, earn: int | None = EARN_FROM):
         self.inner, self.tokens, self.ngrams, self.trim = inner, tokens, lookup_ngrams(tokens, ngrams, trim), trim
-        self.capacity = capacity
+        self.capacity, self.earning, self.earn = capacity, trim and earn is not None, earn
         self.depth, self.total_tokens = chained_shape(inner, tokens)
         self.contexts: list[Context] = []
+        self.limits: list[int] = []  # earning: the most chain tokens each row offers next
+        self.offered: list[list[int]] = []  # earning: each row's chain tokens in the last tree (none: no chain)
 
     def resize(self, depth: int, total_tokens: int) -> None:
         """The inner tree takes another shape; the chain stays."""
@@ -265,6 +277,7 @@ class BatchPromptLookup:
         self.contexts = [Context(self.capacity) for _ in prompts]
         for context, ids, token in zip(self.contexts, prompts, tokens, strict=True):
             context.reset(torch.cat((ids, token[None])))
+        self.limits, self.offered = [self.earn or 0] * len(prompts), [[] for _ in prompts]
         self.inner.start(prompts, hidden, tokens)
 
     def read(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
@@ -287,7 +300,12 @@ class BatchPromptLookup:
         chains, valid = torch.stack([c for c, _ in found]), torch.stack([v for _, v in found])  # [B, K] each
         trees = self.inner.propose(roots)
         if self.trim:
-            real = int(valid.sum(dim=1).max())  # each row's real tokens are a prefix
+            if self.earning:
+                valid &= torch.arange(self.tokens) < torch.tensor(self.limits)[:, None]  # what each row has earned
+            counts = valid.sum(dim=1).tolist()  # each row's real tokens are a prefix
+            if self.earning:
+                self.offered = [row[:n] for row, n in zip(chains.tolist(), counts, strict=True)]
+            real = max(counts)
             if real == 0:
                 return trees
             chains, valid = chains[:, :real], valid[:, :real]
@@ -297,10 +315,18 @@ class BatchPromptLookup:
                ) -> None:
         for context, row, n in zip(self.contexts, tokens, counts, strict=True):
             context.append(row[:n])
+        if self.earning:
+            for b, (offered, row, n) in enumerate(zip(self.offered, tokens.tolist(), counts, strict=True)):
+                if offered:
+                    taken = next((i for i, (a, t) in enumerate(zip(offered, row[:n])) if a != t), min(len(offered), n))
+                    self.limits[b] = min(self.tokens, 2 * self.limits[b]) if taken == len(offered) else max(1, taken)
+            self.offered = [[] for _ in self.offered]
         self.inner.accept(tokens, hidden, counts, device_counts)
 
     def select(self, rows: list[int]) -> None:
         self.contexts = [self.contexts[r] for r in rows]
+        if self.earning:
+            self.limits, self.offered = [self.limits[r] for r in rows], [self.offered[r] for r in rows]
         self.inner.select(rows)
 
 
@@ -345,12 +371,12 @@ class BatchOracle:
 
 
 def batch_drafter(draft: DraftModel, depth: int, top_k: int, total_tokens: int, rows: int, capacity: int,
-                  lookup: int = 0, ngrams: tuple[int, ...] | None = None, trim: bool = False
-                  ) -> BatchHeadDrafter | BatchPromptLookup:
+                  lookup: int = 0, ngrams: tuple[int, ...] | None = None, trim: bool = False,
+                  earn: int | None = EARN_FROM) -> BatchHeadDrafter | BatchPromptLookup:
     """A :class:`BatchHeadDrafter` for ``rows`` rows of up to ``capacity`` positions, inside a
-    :class:`BatchPromptLookup` of ``lookup`` tokens (its ``ngrams`` and ``trim``) when ``lookup`` > 0."""
+    :class:`BatchPromptLookup` of ``lookup`` tokens (its ``ngrams``, ``trim`` and ``earn``) when ``lookup`` > 0."""
     head = BatchHeadDrafter(draft, depth, top_k, total_tokens, rows, capacity)
-    return BatchPromptLookup(head, lookup, capacity, ngrams, trim) if lookup else head
+    return BatchPromptLookup(head, lookup, capacity, ngrams, trim, earn) if lookup else head
 
 
 def emitted_rows(tree: Tree, path: torch.Tensor, length: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:

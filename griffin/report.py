@@ -30,7 +30,7 @@ def machine_info() -> dict:
         "transformers": transformers.__version__,
         "platform": platform.platform(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "load_average_1m": round(os.getloadavg()[0], 2),  # other processes sharing the cores when this finished
+        "load_average_1m": round(os.getloadavg()[0], 2),  # 1-minute load at the end, this run's threads included
     }
     return info
 

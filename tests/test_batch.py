@@ -74,6 +74,43 @@ def test_rows_with_lookup_chains_equal_their_own_greedy_generation(static):
     assert taus[8] > taus[0] + 0.25, taus
 
 
+def test_trimmed_chains_grow_with_what_the_target_accepts():
+    """On the CPU each row earns its chain's length: it offers two tokens at first, twice as many after the target
+    took all it offered, and what was taken after a miss; rows stay their own greedy generation."""
+    target = tiny_model("llama", vocab_size=96, seed=3)
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=2, top_k=3, total_tokens=4)
+    prompts = [torch.tensor(([5, 17, 33, 2, 60, 71, 8, 12] * 3)[i:]) for i in (0, 3)]
+    drafter = batch_drafter(gen.draft, 2, 3, 4, 2, 80, 8, trim=True)
+    offers, limits = [], []  # per cycle: each row's offered chain tokens, and its limit before the cycle
+    propose, accept, select = drafter.propose, drafter.accept, drafter.select
+
+    def spy_propose(roots):
+        limits.append(list(drafter.limits))
+        trees = propose(roots)
+        offers.append([len(o) for o in drafter.offered])
+        return trees
+
+    def spy_select(rows):  # finished rows leave between a cycle's proposal and its acceptance
+        select(rows)
+        offers[-1], limits[-1] = [offers[-1][r] for r in rows], [limits[-1][r] for r in rows]
+
+    def spy_accept(tokens, hidden, counts, device_counts):
+        taken = [next((i for i, (a, t) in enumerate(zip(o, row[:n])) if a != t), min(len(o), n))
+                 for o, row, n in zip(drafter.offered, tokens.tolist(), counts, strict=True)]
+        accept(tokens, hidden, counts, device_counts)
+        for b, (offer, took) in enumerate(zip(offers[-1], taken, strict=True)):
+            if offer:
+                assert drafter.limits[b] == (min(8, 2 * limits[-1][b]) if took == offer else max(1, took))
+
+    drafter.propose, drafter.accept, drafter.select = spy_propose, spy_accept, spy_select
+    out = decode_rows(gen.backend, drafter, prompts, [40, 40], SamplingConfig(), gen.eos_ids([]), None,
+                      GenerationStats())
+    assert out == [reference(target, p, 40) for p in prompts]
+    assert limits[0] == [2, 2] and max(offers[0]) <= 2
+    assert all(o <= lim for offer, limit in zip(offers, limits) for o, lim in zip(offer, limit))
+    assert max(max(lim) for lim in limits) == 8 and max(max(o) for o in offers) > 4  # a row that copies earns it all
+
+
 def test_rows_accept_paths_of_different_lengths_in_the_same_cycle():
     """Two rows accept whole chains of 5 every cycle, two accept none: each row's KV entries are compacted after
     its own length, and every row still equals its own generation (budgets cut rows mid-chain)."""

@@ -58,7 +58,7 @@ def measure(dtype: str, turn: int) -> dict:
             depth, nodes, chain = tree
             longest = max(p.shape[0] for p in batch) + BUDGET
             drafter = batch_drafter(gen.draft, depth, gen.top_k, nodes, len(batch), longest, chain, gen.lookup_ngrams,
-                                    trim=True)
+                                    trim=True, earn=None)  # each row offers all it found, as when this was measured
         return decode_rows(gen.backend, drafter, batch, [BUDGET] * len(batch), SamplingConfig(), eos, None,
                            GenerationStats())
 

@@ -5,10 +5,11 @@
 
 ``batch-lookup.md``: at batch 2 the full 10-token chain cost on first turns in fp32 and paid on second turns. Can a
 row earn its chain's length, so that first turns stop paying for chains the target rejects while second turns keep
-the copies? ``EarnedChain`` here lets each row offer at most as many chain tokens as it has earned (2 at first,
-doubled up to the whole chain after a fully accepted chain, cut to what was accepted, at least 1, otherwise). Arms:
-that (``earned``), :class:`griffin.batch.BatchPromptLookup` as it is (``full``: each row offers all it found), and no
-chain.
+the copies? The ``earned`` arm lets each row offer at most as many chain tokens as it has earned (2 at first,
+doubled up to the whole chain after a fully accepted chain, cut to what was accepted, at least 1, otherwise); the
+``full`` arm offers all it found; the third has no chain. The committed figures were measured with the earned rule in
+a subclass here; it then moved into :class:`griffin.batch.BatchPromptLookup` unchanged, whose ``earn=None`` is the
+``full`` arm.
 
 Fixed depth-1 trees of 2 and 3 nodes in each arm against the batched plain loop (:func:`griffin.batch.decode_rows` for
 all of them), the first 16 MT-Bench first turns (``--turn 2``: their second turns, after the plain loop's greedy first
@@ -30,46 +31,12 @@ from griffin.batch import BatchHeadDrafter, BatchPromptLookup, decode_rows
 from griffin.decode import GenerationStats
 from griffin.report import machine_info, machine_text, markdown_table, write_benchmark
 from griffin.sampling import SamplingConfig
-from griffin.tree import Tree, graft
 from inference.questions import load_questions
 
 HERE = Path(__file__).parent
 ROWS, PROMPTS, BUDGET, CHAIN, ANSWER, FIRST = 2, 16, 64, 10, 256, 2
 ARMS = ("earned", "full", "none")
 TREES = [(1, nodes, arm) for nodes in (2, 3) for arm in ARMS]  # depth, nodes, chain arm
-
-
-class EarnedChain(BatchPromptLookup):
-    """Each row offers at most ``limits[b]`` of the chain tokens it found (trim only, as on the CPU)."""
-
-    def start(self, prompts: list[torch.Tensor], hidden: list[torch.Tensor], tokens: torch.Tensor) -> None:
-        super().start(prompts, hidden, tokens)
-        self.limits = [FIRST] * len(prompts)  # the most chain tokens each row offers next
-        self.offered: list[list[int]] = [[] for _ in prompts]  # each row's chain tokens in the last tree
-
-    def propose(self, roots: torch.Tensor) -> Tree:
-        found = [context.lookup(self.tokens, self.ngrams) for context in self.contexts]
-        chains, valid = torch.stack([c for c, _ in found]), torch.stack([v for _, v in found])  # [B, K] each
-        valid &= torch.arange(self.tokens) < torch.tensor(self.limits)[:, None]
-        counts = valid.sum(dim=1).tolist()  # each row's real tokens are a prefix
-        self.offered = [row[:n] for row, n in zip(chains.tolist(), counts, strict=True)]
-        trees = self.inner.propose(roots)
-        if max(counts) == 0:
-            return trees
-        return graft(trees, chains[:, : max(counts)], valid[:, : max(counts)])
-
-    def accept(self, tokens: torch.Tensor, hidden: torch.Tensor, counts: list[int], device_counts: torch.Tensor
-               ) -> None:
-        for b, (offered, row, n) in enumerate(zip(self.offered, tokens.tolist(), counts, strict=True)):
-            if offered:  # the offered tokens the target emitted, from the first
-                taken = next((i for i, (a, t) in enumerate(zip(offered, row[:n])) if a != t), min(len(offered), n))
-                self.limits[b] = min(self.tokens, 2 * self.limits[b]) if taken == len(offered) else max(1, taken)
-        self.offered = [[] for _ in self.offered]
-        super().accept(tokens, hidden, counts, device_counts)
-
-    def select(self, rows: list[int]) -> None:
-        self.limits, self.offered = [self.limits[r] for r in rows], [self.offered[r] for r in rows]
-        super().select(rows)
 
 
 def name(tree: tuple[int, int, str]) -> str:
@@ -98,8 +65,8 @@ def measure(dtype: str, turn: int) -> dict:
             longest = max(p.shape[0] for p in batch) + BUDGET
             drafter = BatchHeadDrafter(gen.draft, depth, gen.top_k, nodes, len(batch), longest)
             if arm != "none":
-                kind = EarnedChain if arm == "earned" else BatchPromptLookup
-                drafter = kind(drafter, CHAIN, longest, gen.lookup_ngrams, trim=True)
+                drafter = BatchPromptLookup(drafter, CHAIN, longest, gen.lookup_ngrams, trim=True,
+                                            earn=FIRST if arm == "earned" else None)
         return decode_rows(gen.backend, drafter, batch, [BUDGET] * len(batch), SamplingConfig(), eos, None,
                            GenerationStats())
 
