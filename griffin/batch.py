@@ -261,6 +261,8 @@ class BatchPromptLookup:
 
     def __init__(self, inner: BatchHeadDrafter, tokens: int, capacity: int, ngrams: tuple[int, ...] | None = None,
                  trim: bool = False, earn: int | None = EARN_FROM):
+        if earn is not None and earn < 1:
+            raise ValueError(f"earn={earn}: a row must offer at least 1 chain token at first (None: all it found)")
         self.inner, self.tokens, self.ngrams, self.trim = inner, tokens, lookup_ngrams(tokens, ngrams, trim), trim
         self.capacity, self.earning, self.earn = capacity, trim and earn is not None, earn
         self.depth, self.total_tokens = chained_shape(inner, tokens)
@@ -301,7 +303,8 @@ class BatchPromptLookup:
         trees = self.inner.propose(roots)
         if self.trim:
             if self.earning:
-                valid &= torch.arange(self.tokens) < torch.tensor(self.limits)[:, None]  # what each row has earned
+                earned = torch.tensor(self.limits, device=valid.device)[:, None]
+                valid &= torch.arange(self.tokens, device=valid.device) < earned  # [B, K] what each row has earned
             counts = valid.sum(dim=1).tolist()  # each row's real tokens are a prefix
             if self.earning:
                 self.offered = [row[:n] for row, n in zip(chains.tolist(), counts, strict=True)]

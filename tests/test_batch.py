@@ -109,6 +109,8 @@ def test_trimmed_chains_grow_with_what_the_target_accepts():
     assert limits[0] == [2, 2] and max(offers[0]) <= 2
     assert all(o <= lim for offer, limit in zip(offers, limits) for o, lim in zip(offer, limit))
     assert max(max(lim) for lim in limits) == 8 and max(max(o) for o in offers) > 4  # a row that copies earns it all
+    with pytest.raises(ValueError, match="earn=0"):
+        BatchPromptLookup(drafter.inner, 8, 80, trim=True, earn=0)
 
 
 def test_rows_accept_paths_of_different_lengths_in_the_same_cycle():
