@@ -104,10 +104,11 @@ def table() -> None:
     for path in sorted(HERE.glob("chunk*.json"), key=lambda p: p.name):
         result = json.loads(path.read_text())
         for name in result["heads"]:
-            if "eagle3" not in name and "griffin3" not in name:  # the shipped head measured beside chunks 0-2
+            where = result.get("head_paths", {}).get(name, name)  # a head measured alone is named by its last folder
+            if "eagle3" not in where and "griffin3" not in where:  # the shipped head measured beside chunks 0-2
                 continue
-            line = "eagle3" if "eagle3" in name else "griffin3"
-            suffix = name.split("-")[-1]  # chunk-7.json measured the wip heads, named without their chunk
+            line = "eagle3" if "eagle3" in where else "griffin3"
+            suffix = where.split("-")[-1]  # chunk-7.json measured the wip heads, named without their chunk
             chunk = int(suffix) if suffix.isdigit() else int(path.stem.split("-")[-1])
             tokens = next(p["tokens_seen"] for p in recipe3 if p["head"] == line and p["chunk"] == chunk)
             tau, se = tau_of(result, name)
