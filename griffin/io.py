@@ -27,9 +27,11 @@ def atomic_path(dest: str | os.PathLike):
     os.close(fd)
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
     try:
         yield Path(tmp)
+        # mkstemp creates 0600, and a writer may replace the file with one of its own (safetensors' save_file
+        # does), so the usual permissions are given to whatever file is there now
+        os.chmod(tmp, 0o666 & ~umask)
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, dest)

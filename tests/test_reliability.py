@@ -182,6 +182,22 @@ def quick_conversion(monkeypatch, tmp_path, smol_tokenizer):
     return SimpleNamespace(folder=tmp_path / "cache" / "targets" / EMBEDDED_TARGET, conversions=conversions)
 
 
+def test_atomic_writes_are_readable_by_others_whoever_creates_the_file(tmp_path):
+    """safetensors' save_file puts a file of its own (0600) at the temporary path; the written file still gets the
+    usual permissions, so that an exported head or a feature shard is readable on a shared server."""
+    from safetensors.torch import save_file
+
+    from griffin.io import atomic_write, atomic_write_text
+
+    umask = os.umask(0o022)
+    try:
+        atomic_write(tmp_path / "model.safetensors", lambda p: save_file({"w": torch.zeros(2)}, str(p)))
+        atomic_write_text(tmp_path / "README.md", "card")
+    finally:
+        os.umask(umask)
+    assert {stat.S_IMODE(f.stat().st_mode) for f in tmp_path.iterdir()} == {0o644}
+
+
 def test_the_converted_target_is_readable_by_others(quick_conversion):
     folder = quick_conversion.folder
     umask = os.umask(0o022)
