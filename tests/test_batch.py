@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from griffin import SpecGenerator
 from griffin.adapt import Shape, ShapePolicy
-from griffin.autotune import PLAIN, autotune_batch
+from griffin.autotune import (
+    ANSWER_TOKENS,
+    CALIBRATION,
+    FOLLOW_UP,
+    PLAIN,
+    _check_prompts,
+    autotune_batch,
+    batch_tuning_record,
+)
 from griffin.batch import BatchHeadDrafter, BatchOracle, BatchPromptLookup, batch_drafter, decode_rows
 from griffin.decode import GenerationStats
 from griffin.drafters import Context
@@ -389,12 +398,54 @@ def test_the_tuner_picks_the_tree_per_batch_size_down_to_no_tree(tmp_path, monke
         return (1.0 if tree == PLAIN else tree_cost) / tau[tree] * (1 + 0.001 * seed)
 
     monkeypatch.setattr("griffin.autotune._rows_seconds_per_token", measured)
-    monkeypatch.setattr("griffin.autotune._calibration_prompts", lambda gen: [torch.tensor([1, 2, 3])])
+    monkeypatch.setattr("griffin.autotune._check_prompts", lambda gen: ([torch.tensor([1, 2, 3])],) * 2)
     assert autotune_batch(gen, 4) == expected
     estimates = {(r["depth"], r["total_tokens"]): r["speedup"] for r in
-                 __import__("json").loads(next((tmp_path / "autotune").glob("*-B4.json")).read_text())["candidates"]}
+                 __import__("json").loads(next((tmp_path / "autotune").glob("*-B4-v2.json")).read_text())["candidates"]}
     assert (max(estimates.values()) < 1) == (expected == PLAIN)
     assert gen.batch_tree(4) == (3, 10)  # a fixed tree (not tuned) is the generator's own
+
+
+@pytest.mark.parametrize("first,second,kept", [(1.0, 1.2, True), (0.9, 1.5, False), (1.01, 1.01, False)])
+def test_the_batch_tuner_weighs_first_and_second_turns(tmp_path, monkeypatch, first, second, kept):
+    """A batch size's check times first and second turns alternately: a tree that only breaks even on first turns
+    but pays on second turns is kept, one that loses on first turns is not, however much it gains on second turns,
+    and one that gains less than the margin on both is not."""
+    monkeypatch.setenv("GRIFFIN_CACHE", str(tmp_path))
+    target = tiny_model("llama", vocab_size=96, seed=3)
+    gen = SpecGenerator(target, NoTokenizer(), untrained_head(target), depth=1, top_k=4, total_tokens=2)
+    record = {"candidates": [{"depth": 1, "total_tokens": 2, "tau": 1.3, "speedup": 1.1}], "cycle_overhead_s": 0.0}
+    monkeypatch.setattr("griffin.autotune.tuning_record", lambda gen, temperature: record)
+    monkeypatch.setattr("griffin.autotune.forward_cost_rows", lambda gen, rows, sizes, **kw: {n: 1.0 for n in sizes})
+    monkeypatch.setattr("griffin.autotune.draft_level_rows", lambda gen, rows: 0.0)
+    firsts, seconds = [torch.tensor([1, 2, 3])], [torch.tensor([1, 2, 3, 4, 5])]
+    monkeypatch.setattr("griffin.autotune._check_prompts", lambda gen: (firsts, seconds))
+
+    def measured(gen, prompts, tree, max_new_tokens, temperature, seed):
+        gain = 1.0 if tree == PLAIN else first if prompts[0] is firsts[0] else second
+        return (1 + 0.001 * seed) / gain
+
+    monkeypatch.setattr("griffin.autotune._rows_seconds_per_token", measured)
+    assert autotune_batch(gen, 2) == ((1, 2) if kept else PLAIN)
+    by_turn = batch_tuning_record(gen, 2)["measured_by_turn"]["1x2"]
+    assert by_turn == pytest.approx({"first": first, "second": second}, abs=0.01)
+
+
+def test_the_batch_tuner_s_second_turns_restate_the_first_answer(tiny_target_dir):
+    """The check's second turns: the first turn, the target's own greedy answer to it, then the follow-up, each in
+    the chat template."""
+    target = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    gen = SpecGenerator(target, tokenizer, untrained_head(target), depth=1, top_k=4, total_tokens=2)
+    firsts, seconds = _check_prompts(gen)
+    assert len(firsts) == len(seconds) == len(CALIBRATION)
+    for ids, follow_up, prompt in zip(firsts, seconds, CALIBRATION, strict=True):
+        answer = decode_rows(gen.backend, None, [ids], [ANSWER_TOKENS], SamplingConfig(), gen.eos_ids(None), None,
+                             GenerationStats())[0]
+        text = tokenizer.decode(follow_up)
+        assert text.startswith(tokenizer.decode(ids)[: -len("<|im_start|>assistant\n")]) and prompt in text
+        assert tokenizer.decode(answer, skip_special_tokens=True).strip() in text
+        assert text.rstrip().endswith(f"{FOLLOW_UP}<|im_end|>\n<|im_start|>assistant")
 
 
 def test_rows_identical_to_their_own_generation_on_the_embedded_target(embedded):
