@@ -42,11 +42,11 @@ HEADS = {  # label -> checkpoint suffix; arch, K and top-k of each in the model 
     "HASS (eagle, K=3, no mask)": "hass",
     "EAGLE-2 (eagle, K=1)": "eagle2",
     "EAGLE-3 (eagle3, TTT 7)": "recipe3/wip-eagle3",
-    "GRIFFIN on EAGLE-3 (griffin3, TTT 7, top-3 mask)": "recipe3/wip-griffin3",
+    "GRIFFIN on EAGLE-3 (griffin3, TTT 7)": "recipe3/wip-griffin3",
 }
 BASELINE = "EAGLE-2 (eagle, K=1)"
 OURS = "GRIFFIN"
-NEW_BASE = ("EAGLE-3 (eagle3, TTT 7)", "GRIFFIN on EAGLE-3 (griffin3, TTT 7, top-3 mask)")  # (reference, head)
+NEW_BASE = ("EAGLE-3 (eagle3, TTT 7)", "GRIFFIN on EAGLE-3 (griffin3, TTT 7)")  # (reference, head)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
