@@ -49,6 +49,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -574,7 +575,7 @@ def _second_turns(gen, firsts: list[torch.Tensor]) -> list[torch.Tensor]:
     answers = decode_rows(gen.backend, None, firsts, [ANSWER_TOKENS] * len(firsts), SamplingConfig(),
                           gen.eos_ids(None), None, GenerationStats())
     seconds = []
-    for prompt, answer in zip(CALIBRATION, answers, strict=False):
+    for prompt, answer in zip(CALIBRATION, answers, strict=True):
         text = gen.tokenizer.decode(answer, skip_special_tokens=True)
         try:
             seconds.append(gen.encode([{"role": "user", "content": prompt}, {"role": "assistant", "content": text},
@@ -672,8 +673,7 @@ def tune_batch(gen, rows: int, temperature: float = 0.0) -> dict:
             break
     by_kind = {tree: {kind: paired_speedup(times[kind][PLAIN], times[kind][tree]) for kind in kinds}
                for tree in contenders if tree != PLAIN}
-    paired = {tree: (statistics.fmean(g for g, _ in k.values()),
-                     statistics.fmean(n * n for _, n in k.values()) ** 0.5 / len(k) ** 0.5)
+    paired = {tree: (statistics.fmean(g for g, _ in k.values()), math.hypot(*(n for _, n in k.values())) / len(k))
               for tree, k in by_kind.items()}  # the mean over the kinds and its noise
     paying = [tree for tree, (gain, noise) in paired.items() if gain > 1 + MIN_GAIN + noise
               and all(g >= 1 - MIN_GAIN - n for g, n in by_kind[tree].values())]
