@@ -49,8 +49,8 @@ PRIOR = 1.0  # the tuner's expectation counts as this many cycles in the running
 PROBE, MAX_PROBE = 4, 32  # plain tokens before a tree is tried again, at first and at most
 MARGIN = 0.03  # the hysteresis around plain decoding's rate: a tree is left below 1 - MARGIN, retaken above 1 + MARGIN
 # plain steps a batch's probe may cost beyond what it is expected to give (see probe_excess); on an AVX-512 EPYC,
-# where it keeps batch 4 from adapting, batch 4 with it out of reach read 0.98x the gated batch on second turns
-# (benchmarks/results/amd-epyc-zen4/gate-b4.md)
+# where it keeps batch 4 from adapting, batch 4 with it out of reach read 0.98x (bf16) and 0.99x (fp32) the gated
+# batch on second turns (benchmarks/results/amd-epyc-zen4/gate-b4.md)
 PROBE_EXCESS = 1.0
 # the largest batch that adapts where its tuner kept no tree: on the Xeon in fp32, probing only where every row's
 # lookup finds its n-gram, adapting cost nothing measurable on MT-Bench first turns at batch 2 and 4 (1.02x, 1.01x)
