@@ -401,7 +401,7 @@ def test_a_stopped_run_commits_what_it_had_finished(tmp_path, monkeypatch):
 
 def free(**counts) -> dict:
     """The recipe's process bookkeeping (scheduler.FREE) of --jobs 2 with nothing waiting, but for ``counts``."""
-    return {"slots": 2, "ahead": 1, "waiting": 0, "short": 0, "turns": [], "queued": []} | counts
+    return {"slots": 2, "ahead": 1, "waiting": 0, "short": 0, "turns": [], "queued": [], "jobs": 2, "alone": 0} | counts
 
 
 def test_a_step_of_a_chunk_built_ahead_waits_while_a_step_of_the_present_chunk_waits(monkeypatch):
@@ -480,6 +480,60 @@ def test_the_present_chunks_trainings_start_in_the_order_they_were_submitted(mon
         for future in futures.values():
             future.result(30)
     assert order == ["griffin", "hass", "eagle2"] and scheduler.FREE == free(slots=1, submitted=0)
+
+
+def test_a_step_killed_for_memory_runs_again_alone_once_the_other_steps_end(tmp_path, monkeypatch):
+    """The kernel's out-of-memory killer ends a step by SIGKILL while another step holds the other process: the killed
+    step waits until that one ends, then runs again with every process, and nothing else starts meanwhile."""
+    (tmp_path / "killed_once.py").write_text(
+        "import os, signal, sys\n"
+        "runs = open(sys.argv[1], 'a+')\n"
+        "runs.seek(0)\n"
+        "first = not runs.read()\n"
+        "runs.write('run\\n')\n"
+        "runs.close()\n"
+        "if first:\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(scheduler, "FREE", free())
+    runs = tmp_path / "runs.txt"
+    held, release, result = threading.Event(), threading.Event(), {}
+
+    def other_step() -> None:  # holds one process until released
+        with scheduler.slot():
+            held.set()
+            release.wait(60)
+
+    def killed_step() -> None:
+        result["seconds"] = scheduler.python("killed_once", str(runs))
+
+    holder = threading.Thread(target=other_step)
+    holder.start()
+    assert held.wait(30)
+    thread = threading.Thread(target=killed_step)
+    thread.start()
+    deadline = time.time() + 60
+    while scheduler.FREE["alone"] == 0 and time.time() < deadline:  # killed, now waiting to run alone
+        time.sleep(0.01)
+    assert scheduler.FREE["alone"] == 1 and runs.read_text() == "run\n"
+    with scheduler.SLOTS:
+        assert scheduler.FREE["slots"] == 1 and not scheduler.may_take(None)  # the free process stays free
+    time.sleep(0.3)
+    assert runs.read_text() == "run\n"  # not again while the other step runs
+    release.set()
+    holder.join(30)
+    thread.join(60)
+    assert runs.read_text() == "run\nrun\n" and result["seconds"] >= 0
+    assert scheduler.FREE == free()
+
+
+def test_a_step_killed_twice_fails_the_recipe(tmp_path, monkeypatch):
+    (tmp_path / "always_killed.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(scheduler, "FREE", free())
+    with pytest.raises(scheduler.StepKilled, match="always_killed was killed"):
+        scheduler.python("always_killed")
+    assert scheduler.FREE == free()
 
 
 def test_longest_first_orders_heads_by_their_last_training_on_a_chunk_of_the_same_kind():

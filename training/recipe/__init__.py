@@ -79,7 +79,8 @@ With ``--jobs`` 2 or more, steps overlap (the data of the next ``--ahead`` chunk
 beside each other; a step of the chunk being trained on takes a free process first, scoring and exporting a trained head
 before the next head's training, the longest training first, building ahead never holds the last one and builds the
 nearest chunk first, so it only fills what training leaves idle): each step's seconds are still its own wall time, so a
-chunk's row no longer adds up to the time it took.
+chunk's row no longer adds up to the time it took. Steps side by side can need more memory than the machine has: a
+step the kernel's out-of-memory killer ends (SIGKILL) runs once more, alone, after the others (``scheduler.alone``).
 """
 
 from importlib import import_module

@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, work: Path) -> int:
     STOPPING.clear()  # a run in this process after a stopped one
-    scheduler.FREE.update(slots=args.jobs, ahead=args.jobs - 1, waiting=0, short=0, turns=[], queued=[], submitted=-1)
+    scheduler.FREE.update(slots=args.jobs, ahead=args.jobs - 1, waiting=0, short=0, turns=[], queued=[], submitted=-1,
+                          jobs=args.jobs, alone=0)
     args.dtype = resolve_precision(args.precision)
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)  # for every step's process
     work.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """Running the recipe's steps as processes: --jobs slots, the present chunk's steps before data built ahead,
-and stopping them all on an error, Ctrl-C or kill."""
+a step killed for memory run again by itself, and stopping them all on an error, Ctrl-C or kill."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ FREE = {
     "turns": [],  # the turns of the present steps submitted that have not taken a process yet (the first goes first)
     "queued": [],  # the chunks of the steps built ahead that wait for a process (the nearest goes first)
     "submitted": -1,  # the last chunk whose training steps were submitted
+    "jobs": 1,  # --jobs: every process, which a step running alone holds
+    "alone": 0,  # steps waiting to run alone (``alone``): no other step takes a process meanwhile
 }
 SHORT_STEPS = {"training.evaluate", "training.export"}  # a minute or less: a head's scores and export come first
 TURNS = itertools.count()  # the order in which the present chunk's steps were submitted (present_steps)
@@ -36,7 +38,7 @@ AHEAD = threading.local()  # .chunk: the chunk it builds ahead, if any; .announc
 def may_take(chunk: int | None, short: bool = False, turn: int | None = None) -> bool:
     """Under SLOTS: whether a step of ``chunk`` built ahead (None: a step of the present chunk; ``short``: one of
     SHORT_STEPS; ``turn``: its place in the order the present steps were submitted) may take a process."""
-    if FREE["slots"] < 1:
+    if FREE["slots"] < 1 or FREE["alone"]:
         return False
     if chunk is None:
         return short or not FREE["short"] and (turn is None or turn == min(FREE["turns"]))
@@ -111,11 +113,42 @@ def present_steps(pool: ThreadPoolExecutor, chunk: int, steps: dict[str, tuple])
     return futures
 
 
+class StepKilled(RuntimeError):
+    """A step's process ended by SIGKILL: on a machine of the recipe's size, the kernel's out-of-memory killer."""
+
+
+@contextmanager
+def alone():
+    """Every one of the --jobs processes, so that a step runs by itself: no other step starts while it waits, and it
+    starts once the running ones have ended."""
+    with SLOTS:
+        FREE["alone"] += 1
+        try:
+            SLOTS.wait_for(lambda: STOPPING.is_set() or FREE["slots"] == FREE["jobs"])
+        finally:
+            FREE["alone"] -= 1
+        taken = FREE["slots"]
+        FREE["slots"] = 0
+    try:
+        yield
+    finally:
+        with SLOTS:
+            FREE["slots"] += taken
+            SLOTS.notify_all()
+
+
 def python(module: str, *argv: str) -> float:
     """Run ``python -m module argv`` as its own process (its output goes to this log) once a slot is free, or fail;
-    -> the seconds the process ran (not those it waited for a slot)."""
-    with slot(short=module in SHORT_STEPS):
-        return run_step(module, *argv)
+    -> the seconds the process ran (not those it waited for a slot). A process killed by SIGKILL (the out-of-memory
+    killer: steps side by side can need more memory than the machine has) runs once more, alone; steps resume what
+    they had finished (shards, parts, training checkpoints)."""
+    try:
+        with slot(short=module in SHORT_STEPS):
+            return run_step(module, *argv)
+    except StepKilled as killed:
+        log.warning("%s: running it again alone, once the other steps have ended", killed)
+        with alone():
+            return run_step(module, *argv)
 
 
 def run_step(module: str, *argv: str) -> float:
@@ -135,6 +168,8 @@ def run_step(module: str, *argv: str) -> float:
         finally:
             with PROCESSES:
                 RUNNING.discard(proc)
+    if code == -signal.SIGKILL:
+        raise StepKilled(f"python -m {module} was killed (SIGKILL; out of memory?)")
     if code != 0:
         raise RuntimeError(f"python -m {module} failed with exit code {code}")
     return time.time() - t0
