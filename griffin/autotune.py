@@ -39,6 +39,9 @@ time a generation asks for it.
 
 The choice is cached per machine, target, dtype, head and temperature band under ``<griffin cache>/autotune/`` with
 the reason for it; ``retune=True`` (``--retune`` on the commands) measures again, ``total_tokens=N`` skips the tuning.
+A choice that the machine's load decided rather than the trees (too few calibration cycles fitted in the time, or a
+tree measured faster than the plain loop but not beyond the noise) is marked ``unsettled`` and tuned again at the next
+loads, :data:`SETTLE_TRIES` tunings in all, so that a quiet start can settle it; the batch sizes' records likewise.
 A standalone draft LM's chain length is tuned here too (:func:`tune_gamma`). The tuner drives the decode loop
 (:func:`griffin.decode.decode`) with drafters and caches of its own; it reads a generator's public parts and never
 changes them.
@@ -86,6 +89,7 @@ PLAIN = (0, 0)  # nothing drafted, the chain neither: the plain loop (a choice o
 MIN_GAIN = 0.02  # a tree must beat the plain loop by this much beyond the measured noise
 CHECK_TOKENS, CHECK_TURNS, MIN_TURNS = 32, 6, 3  # per generation; turns at most and at least
 MIN_CYCLES = 8  # fewer calibration cycles than this: too little data to trust, keep the default
+SETTLE_TRIES = 3  # tunings in all of a choice that the machine's load decided (an "unsettled" record)
 BUDGET_S = 45.0
 SPLIT = {"calibration": 0.45, "forward cost": 0.25, "check": 0.30}
 
@@ -297,6 +301,33 @@ def paired_speedup(plain: list[float], other: list[float]) -> tuple[float, float
     return middle, 1.4826 * statistics.median(abs(r - middle) for r in ratios)
 
 
+def _within_noise(paired: dict) -> bool:
+    """Whether a tree measured faster than the plain loop by more than :data:`MIN_GAIN` but not beyond its noise:
+    the plain loop kept because the machine was too noisy to tell, not because no tree pays."""
+    return any(1 + MIN_GAIN < gain <= 1 + MIN_GAIN + noise for gain, noise in paired.values())
+
+
+def _cached(path, what: str, retune: bool) -> tuple[dict | None, int]:
+    """-> (the record cached at ``path`` to use, or None to tune again; the tunings that record stands for). None when
+    ``retune``, when there is no record or a damaged one (``what``: its name in logs), and when it is unsettled and
+    tuned fewer than :data:`SETTLE_TRIES` times."""
+    record = None if retune else read_cached(path, what, checked_choice, "tuning again")
+    tries = _tries(record)
+    if record is not None and record.get("unsettled") and tries < SETTLE_TRIES:
+        log.info("the cached %s was decided by the machine's load (%s): tuning again, %d of at most %d tunings",
+                 what, record["unsettled"], tries + 1, SETTLE_TRIES)
+        return None, tries
+    return record, tries
+
+
+def _tries(record: dict | None) -> int:
+    """How many tunings a cached record stands for (0: no record)."""
+    if record is None:
+        return 0
+    tries = record.get("tries", 1)
+    return tries if isinstance(tries, int) and not isinstance(tries, bool) and tries >= 1 else 1
+
+
 def _name(tree: tuple[int, int], lookup: int = 0) -> str:
     names = {PLAIN: "the plain loop", NO_TREE: "the lookup chain alone" if lookup else "the plain loop",
              DEFAULT_TREE: "the default tree"}
@@ -326,7 +357,8 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperatu
         if cycles < MIN_CYCLES:
             depth, total = DEFAULT_TREE
             reason = f"the default tree: only {cycles} calibration cycles fitted in the time (machine too busy?)"
-            choice.update(depth=depth, total_tokens=total, lookup=gen.lookup, reason=reason, tuning_s=clock.elapsed)
+            choice.update(depth=depth, total_tokens=total, lookup=gen.lookup, reason=reason, tuning_s=clock.elapsed,
+                          unsettled="too few calibration cycles")
             return choice
         sizes = sorted({1} | {n + 1 for n in TOTALS} | {n + 1 + gen.lookup for n in TOTALS[:: 3]})
         costs = forward_cost(gen, sizes, context=128, repeats=7, deadline=clock.deadline("forward cost"))
@@ -365,6 +397,8 @@ def tune(gen, budget_s: float | None = None, max_new_tokens: int = 64, temperatu
         if winner == plain:
             reason = (f"the plain loop: no tree beat it by more than the noise (median paired speedups over it: "
                       f"{against}; the best estimate was {_name(pick)}, {best['speedup']:.2f}x)")
+            if _within_noise(paired):
+                choice["unsettled"] = "a tree measured faster than the plain loop, within the noise"
         else:
             reason = (f"{_name(winner, gen.lookup)}: measured fastest, {paired[winner][0]:.2f}x the plain loop "
                       f"(median of {len(times[plain])} paired turns; all: {against}; expected tau "
@@ -480,7 +514,7 @@ def tuned_choice(gen, retune: bool = False, budget_s: float | None = None, tempe
     rewritten since."""
     temperature = temperature_band(temperature)
     path = _record_path(gen, temperature)
-    choice = None if retune else read_cached(path, "tuning record", checked_choice, "tuning again")
+    choice, tries = _cached(path, "tuning record", retune)
     if choice is not None:
         log.info("draft tree: %s (tuned for this machine on %s; --retune measures again, --total-tokens N fixes "
                  "it)", describe(choice), choice.get("tuned_at"))
@@ -488,7 +522,7 @@ def tuned_choice(gen, retune: bool = False, budget_s: float | None = None, tempe
     log.info("tuning the draft tree for this machine and head%s (at most %.0f s, once; --total-tokens N skips it)",
              f" at T={temperature}" if temperature else "", budget_s or BUDGET_S)
     choice = tune(gen, budget_s, temperature=temperature)
-    choice["tuned_at"] = time.strftime("%Y-%m-%d %H:%M")
+    choice.update(tuned_at=time.strftime("%Y-%m-%d %H:%M"), tries=tries + 1)
     cached_in = f"cached in {path}" if write_cached(path, choice, "tuning record") else "not cached"
     log.info("draft tree: %s, chosen in %.0f s: %s (%s)", describe(choice), choice["tuning_s"],
              choice["reason"], cached_in)
@@ -516,11 +550,11 @@ def autotune_batch(gen, rows: int, retune: bool = False, temperature: float = 0.
     which it starts from (tuned first if need be)."""
     temperature = temperature_band(temperature)
     path = _batch_path(gen, rows, temperature)
-    choice = None if retune else read_cached(path, "batch tuning record", checked_choice, "tuning again")
+    choice, tries = _cached(path, "batch tuning record", retune)
     if choice is None:
         log.info("tuning the draft tree for batches of %d on this machine (once; --total-tokens N skips it)", rows)
         choice = tune_batch(gen, rows, temperature)
-        choice["tuned_at"] = time.strftime("%Y-%m-%d %H:%M")
+        choice.update(tuned_at=time.strftime("%Y-%m-%d %H:%M"), tries=tries + 1)
         write_cached(path, choice, "batch tuning record")
         log.info("draft tree for batches of %d: %s", rows, choice["reason"])
     return choice["depth"], choice["total_tokens"]
@@ -684,6 +718,8 @@ def tune_batch(gen, rows: int, temperature: float = 0.0) -> dict:
               f"the batched plain loop: no tree beat it by more than the noise at batch {rows}") + (
               f" (median paired speedups over the plain loop, mean of first and second turns: {against})")
     measured = {tree: statistics.median(times["first"][tree] + times["second"][tree]) for tree in contenders}
+    if winner == PLAIN and _within_noise(paired):
+        choice["unsettled"] = "a tree measured faster than the batched plain loop, within the noise"
     choice.update(depth=winner[0], total_tokens=winner[1], reason=reason, candidates=estimates,
                   measured_s_per_token={f"{d}x{n}": t for (d, n), t in measured.items()},
                   # on first turns, the calibration requests' kind, which the estimates (and cost_scale) are priced on

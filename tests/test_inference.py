@@ -100,6 +100,7 @@ def test_tuning_on_a_machine_too_busy_to_measure_keeps_the_default_tree_within_t
     assert time.perf_counter() - t0 < 1.5
     assert (choice["depth"], choice["total_tokens"]) == autotune.DEFAULT_TREE
     assert choice["reason"].startswith("the default tree: only") and choice["calibration_cycles"] < autotune.MIN_CYCLES
+    assert choice["unsettled"] == "too few calibration cycles"  # tuned again at the next loads
 
 
 def test_speed_run_writes_results(tmp_path, embedded):
@@ -317,15 +318,17 @@ def test_the_tuner_keeps_the_plain_loop_unless_a_tree_beats_it_beyond_the_noise(
     choice = autotune.tune(gen, budget_s=3.0)
     assert (choice["depth"], choice["total_tokens"]) == autotune.NO_TREE and autotune.NO_TREE in timed
     assert choice["reason"].startswith("the plain loop: no tree beat it")
-    assert "the default tree 0.50x" in choice["reason"]
+    assert "the default tree 0.50x" in choice["reason"] and "unsettled" not in choice  # no tree pays: settled
     seconds["tree"] = [0.99]  # 1 % faster: within MIN_GAIN
-    assert autotune.tune(gen, budget_s=3.0)["total_tokens"] == 0
+    choice = autotune.tune(gen, budget_s=3.0)
+    assert choice["total_tokens"] == 0 and "unsettled" not in choice
     seconds["tree"] = [1 / 1.5, 1 / 0.8, 1 / 1.4, 1 / 0.9, 1 / 1.3, 1.0]  # a median of 1.15x, but far from steady
     noisy = autotune.tune(gen, budget_s=3.0)
     assert noisy["total_tokens"] == 0 and noisy["measured_speedup_over_plain"]["3x6"] > 1.1
+    assert "within the noise" in noisy["unsettled"]  # the noise decided: tuned again at the next loads
     seconds["tree"] = [0.5, 0.52, 0.49, 0.51, 0.5, 0.5]  # twice as fast, steadily
     choice = autotune.tune(gen, budget_s=3.0)
-    assert choice["total_tokens"] > 0 and "measured fastest, 2.0" in choice["reason"]
+    assert choice["total_tokens"] > 0 and "measured fastest, 2.0" in choice["reason"] and "unsettled" not in choice
     assert autotune.paired_speedup([1.0, 1.0, 1.0], [0.5, 0.5, 1.0]) == (2.0, 0.0)
 
 
@@ -344,3 +347,41 @@ def test_progress_bars_write_a_line_at_start_and_end_in_a_log_file():
     for _ in progress(range(5), desc="quiet", file=log, disable=True):
         pass
     assert "quiet" not in log.getvalue()
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["one prompt", "batch of 2"])
+def test_a_choice_the_machine_s_load_decided_is_tuned_again_at_the_next_loads_three_times_at_most(
+        tmp_path, monkeypatch, caplog, batch):
+    """A record marked unsettled (the plain loop kept because a faster tree was within the noise) is measured again at
+    every read until it settles or has been tuned SETTLE_TRIES times; a settled record is kept; --retune starts the
+    count again."""
+    monkeypatch.setenv("GRIFFIN_CACHE", str(tmp_path))
+    target = tiny_model("llama", vocab_size=64)
+    gen = SpecGenerator(target, CharTokenizer(), DraftModel(DraftConfig.from_target(target.config)), total_tokens=3)
+    outcomes = []  # what each tuning returns, in turn
+
+    def tuned(gen, *args, **kwargs):
+        return dict(outcomes.pop(0), top_k=gen.top_k, tuning_s=0.0, reason="stubbed")
+
+    if batch:
+        monkeypatch.setattr(autotune, "tune_batch", tuned)
+
+        def load(retune=False):
+            autotune.autotune_batch(gen, 2, retune=retune)
+            return autotune.batch_tuning_record(gen, 2)
+    else:
+        monkeypatch.setattr(autotune, "tune", tuned)
+
+        def load(retune=False):
+            return autotune.tuned_choice(gen, retune=retune)
+
+    noisy = {"depth": 1, "total_tokens": 0, "unsettled": "a tree measured faster, within the noise"}
+    outcomes.extend([noisy] * 4)
+    caplog.set_level(logging.INFO, logger="griffin.autotune")
+    assert [load()["tries"] for _ in range(5)] == [1, 2, 3, 3, 3]  # tuned three times, then kept as it is
+    assert len(outcomes) == 1 and "decided by the machine's load" in caplog.text
+    assert load(retune=True)["tries"] == 1 and not outcomes
+    outcomes.extend([{"depth": 2, "total_tokens": 4}, noisy])
+    assert load()["tries"] == 2 and load()["total_tokens"] == 4  # settled at the second tuning: kept from then on
+    assert len(outcomes) == 1
+
