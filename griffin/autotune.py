@@ -516,8 +516,9 @@ def tuned_choice(gen, retune: bool = False, budget_s: float | None = None, tempe
     path = _record_path(gen, temperature)
     choice, tries = _cached(path, "tuning record", retune)
     if choice is not None:
-        log.info("draft tree: %s (tuned for this machine on %s; --retune measures again, --total-tokens N fixes "
-                 "it)", describe(choice), choice.get("tuned_at"))
+        busy = f"; the machine's load decided it at all {_tries(choice)} tunings" if choice.get("unsettled") else ""
+        log.info("draft tree: %s (tuned for this machine on %s%s; --retune measures again, --total-tokens N fixes "
+                 "it)", describe(choice), choice.get("tuned_at"), busy)
         return choice
     log.info("tuning the draft tree for this machine and head%s (at most %.0f s, once; --total-tokens N skips it)",
              f" at T={temperature}" if temperature else "", budget_s or BUDGET_S)
