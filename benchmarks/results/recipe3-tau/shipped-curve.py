@@ -103,6 +103,8 @@ def table() -> None:
     recipe3 = json.loads(Path("checkpoints/smollm2-135m-instruct-recipe3/recipe.json").read_text())["curve"]
     for path in sorted(HERE.glob("chunk*.json"), key=lambda p: p.name):
         result = json.loads(path.read_text())
+        if result["n_prompts"]["0"] != 80:  # the curve's measure: 40 questions (chunk-11-160 took all 160 prompts)
+            continue
         for name in result["heads"]:
             where = result.get("head_paths", {}).get(name, name)  # a head measured alone is named by its last folder
             if "eagle3" not in where and "griffin3" not in where:  # the shipped head measured beside chunks 0-2
