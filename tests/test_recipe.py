@@ -136,8 +136,10 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     for folder in machine.values():  # a fresh machine: only the committed folder is left
         shutil.rmtree(folder)
     calls.clear()
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # the recipe sets them for its steps: restored after the test
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
     with caplog.at_level(logging.INFO, logger="recipe"):
-        assert recipe.main(argv + ["--jobs", str(jobs)]) == 0
+        assert recipe.main(argv + ["--jobs", str(jobs), "--threads", "2"]) == 0
     ahead = [r.getMessage() for r in caplog.records if "data ahead" in r.getMessage()]
     if jobs > 1:  # chunk 0 was trained before: chunks 2 and 3 are built ahead, heads train side by side
         assert ahead == [f"building chunk {c}'s data ahead, while chunk 1 is built and trained on" for c in (2, 3)]
@@ -174,6 +176,11 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     assert all("features_s" in t for t in state["timings"][1:]) and "regenerate_s" in state["timings"][3]
     assert [sorted(t["train_s"]) for t in state["timings"]] == [["eagle-s1", "griffin-s1"]] * 3 + [
         sorted(h.name for h in schedule.HEADS)]
+    # each training's threads: chunk 0's run had one, this run two, and the card says so where there were more
+    assert [set(t["train_threads"].values()) for t in state["timings"]] == [{1}, {2}, {2}, {2}]
+    assert [sorted(t["train_threads"]) for t in state["timings"]] == [sorted(t["train_s"]) for t in state["timings"]]
+    card = (ckpt / "README.md").read_text()
+    assert "eagle-s1 " in card and card.count(" (2 threads)") == 2 * 2 + len(schedule.HEADS)
     # on the fresh machine the fixed set's features came from the committed records, and every point was scored
     assert [a[a.index("--data") + 1] for m, a in calls if m == "training.build_features" and "--shards" not in a
             and "fixed-val" in a[a.index("--out") + 1]] == [str(ckpt / f"fixed-val-{k}.jsonl") for k in

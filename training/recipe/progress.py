@@ -115,7 +115,8 @@ def progress_markdown(cfg: dict, state: dict) -> str:
                              # rows from before --precision (built, no precision): always bf16; not built yet: -
                              t.get("precision", "bf16" if "features_s" in t else "-"),
                              t.get("regenerate_s", "-"),
-                             t.get("features_s", "-"), ", ".join(f"{k} {v}" for k, v in t["train_s"].items())]
+                             t.get("features_s", "-"),
+                             ", ".join(f"{k} {v}{threads(t, k)}" for k, v in t["train_s"].items())]
                             for t in state["timings"]])
     finished = all(chunks_done(state, h) >= cfg["chunks"] for h in final_heads(cfg))
     title = ("# The recipe's heads (complete: `python -m training.recipe --promote` ships them)" if finished
@@ -128,7 +129,14 @@ def progress_markdown(cfg: dict, state: dict) -> str:
             "inference); no head trains on these conversations, though a first turn of one may reach training with "
             "the other kind of answer (their records: `fixed-val-*.jsonl`). Each chunk's own held-out 5 % changes "
             f"with the chunk's data.\n\n{curve}\n"
-            f"## Time per chunk on this machine (one thread)\n\n{times}")
+            "## Time per chunk on this machine\n\nEvery step on one thread, except trainings that name their threads "
+            f"(those of the run that finished the training, `--threads`).\n\n{times}")
+
+
+def threads(timing: dict, head: str) -> str:
+    """`` (2 threads)`` where the run that finished ``head``'s training on the chunk had more than one, else ``""``."""
+    n = timing.get("train_threads", {}).get(head, 1)
+    return f" ({n} threads)" if n > 1 else ""
 
 
 def save_state(path: Path, cfg: dict, state: dict) -> None:

@@ -219,6 +219,7 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
         run, fixed = trainings[head.name].result() if trainings else train_and_score(args, cfg, state, head, chunk,
                                                                                      store, fixed_stores)
         timing["train_s"][head.name] = train_seconds(run)
+        timing.setdefault("train_threads", {})[head.name] = args.threads  # of the run that finished the training
         export(args, state, head, chunk, run, fixed)
         last = head is todo[-1]
         if all(chunks_done(state, h) > chunk for h in heads_of(cfg, stage)):  # no head will read its answers again
