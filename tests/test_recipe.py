@@ -176,11 +176,14 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     assert all("features_s" in t for t in state["timings"][1:]) and "regenerate_s" in state["timings"][3]
     assert [sorted(t["train_s"]) for t in state["timings"]] == [["eagle-s1", "griffin-s1"]] * 3 + [
         sorted(h.name for h in schedule.HEADS)]
-    # each training's threads: chunk 0's run had one, this run two, and the card says so where there were more
+    # each step's threads: chunk 0's run had one, this run two, and the card says so where there were more
     assert [set(t["train_threads"].values()) for t in state["timings"]] == [{1}, {2}, {2}, {2}]
     assert [sorted(t["train_threads"]) for t in state["timings"]] == [sorted(t["train_s"]) for t in state["timings"]]
+    assert [t["data_threads"] for t in state["timings"]] == [1, 2, 2, 2]
+    labelled = [len(t["train_s"]) + ("features_s" in t) + ("regenerate_s" in t) for t in state["timings"][1:]]
     card = (ckpt / "README.md").read_text()
-    assert "eagle-s1 " in card and card.count(" (2 threads)") == 2 * 2 + len(schedule.HEADS)
+    assert card.count(" (2 threads)") == sum(labelled)
+    assert f"| {state['timings'][2]['features_s']} (2 threads) |" in card  # chunk 2's features, built by this run
     # on the fresh machine the fixed set's features came from the committed records, and every point was scored
     assert [a[a.index("--data") + 1] for m, a in calls if m == "training.build_features" and "--shards" not in a
             and "fixed-val" in a[a.index("--out") + 1]] == [str(ckpt / f"fixed-val-{k}.jsonl") for k in
@@ -318,8 +321,9 @@ def test_a_recipe_commit_amends_its_own_previous_one_on_a_work_branch_never_on_m
 
 
 def test_a_chunk_built_ahead_records_its_precision_and_a_chunk_not_built_shows_none():
-    """A data build that ran ahead records the run's precision with its seconds, and the card shows no precision for
-    a chunk nothing has been built for yet (only rows from before --precision, which have seconds, read bf16)."""
+    """A data build that ran ahead records the run's precision and threads with its seconds, and the card shows no
+    precision for a chunk nothing has been built for yet (only rows from before --precision, which have seconds, read
+    bf16)."""
     from concurrent.futures import Future
 
     cfg = {"generation": 3, "regen_records": 1, "chunk_shards": 1, "shards": 4, "stage_ends": [4, 4, 4], "chunks": 4,
@@ -328,13 +332,15 @@ def test_a_chunk_built_ahead_records_its_precision_and_a_chunk_not_built_shows_n
                                                      "features_s": 10}]}  # a row from before --precision
     done, pending = Future(), Future()
     done.set_result(None)
-    loop.collect_ahead(state, cfg, {1: (done, {"features_s": 7}), 2: (pending, {"features_s": 3})}, "fp32")
+    loop.collect_ahead(Namespace(dtype="fp32", threads=2), state, cfg,
+                       {1: (done, {"features_s": 7}), 2: (pending, {"features_s": 3})})
     progress.chunk_timing(state, cfg, 3)  # reached, nothing built
     rows = {t["chunk"]: t for t in state["timings"]}
     assert rows[1]["precision"] == "fp32" and rows[1]["features_s"] == 7 and 2 not in rows
+    assert rows[1]["data_threads"] == 2  # the run's threads too
     table = progress.progress_markdown(cfg, state)
-    assert "| 0 | sharegpt | 1 | - | - | bf16 |" in table
-    assert "| 1 | regen | 1 | - | - | fp32 | - | 7 |" in table
+    assert "| 0 | sharegpt | 1 | - | - | bf16 | - | 10 |" in table  # a row from before threads were recorded: one
+    assert "| 1 | regen | 1 | - | - | fp32 | - | 7 (2 threads) |" in table
     assert "| 3 | regen | 1 | - | - | - | - | - |" in table
 
 

@@ -75,7 +75,8 @@ kind of answer). Each chunk's own held-out 5 % is reported too, but changes with
 **Time here** (2 CPU cores shared with other work, one thread; every step in bf16 where the CPU has bf16 instructions,
 else in fp32, ``--precision``): the rates of each step are in ``benchmarks/results/pipeline-throughput*.md``; the
 seconds each chunk's steps took are in ``recipe.json`` (``timings``, with the ``--threads`` of the run that finished
-each head's training) and its ``README.md``, written as the run goes.
+each head's training and of the run that built the chunk's data or reached it) and its ``README.md``, written as the
+run goes.
 With ``--jobs`` 2 or more, steps overlap (the data of the next ``--ahead`` chunks beside this chunk's training, heads
 beside each other; a step of the chunk being trained on takes a free process first, scoring and exporting a trained head
 before the next head's training, the longest training first, building ahead never holds the last one and builds the

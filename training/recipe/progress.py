@@ -114,8 +114,8 @@ def progress_markdown(cfg: dict, state: dict) -> str:
                              f"{t['tokens']:,}" if "tokens" in t else "-",
                              # rows from before --precision (built, no precision): always bf16; not built yet: -
                              t.get("precision", "bf16" if "features_s" in t else "-"),
-                             t.get("regenerate_s", "-"),
-                             t.get("features_s", "-"),
+                             f"{t['regenerate_s']}{threads(t, 'data')}" if "regenerate_s" in t else "-",
+                             f"{t['features_s']}{threads(t, 'data')}" if "features_s" in t else "-",
                              ", ".join(f"{k} {v}{threads(t, k)}" for k, v in t["train_s"].items())]
                             for t in state["timings"]])
     finished = all(chunks_done(state, h) >= cfg["chunks"] for h in final_heads(cfg))
@@ -129,13 +129,15 @@ def progress_markdown(cfg: dict, state: dict) -> str:
             "inference); no head trains on these conversations, though a first turn of one may reach training with "
             "the other kind of answer (their records: `fixed-val-*.jsonl`). Each chunk's own held-out 5 % changes "
             f"with the chunk's data.\n\n{curve}\n"
-            "## Time per chunk on this machine\n\nEvery step on one thread, except trainings that name their threads "
-            f"(those of the run that finished the training, `--threads`).\n\n{times}")
+            "## Time per chunk on this machine\n\nEvery step on one thread, except those that name their threads "
+            "(`--threads`): a training's are those of the run that finished it, a chunk's data steps' those of the run "
+            f"that built them ahead or reached the chunk.\n\n{times}")
 
 
-def threads(timing: dict, head: str) -> str:
-    """`` (2 threads)`` where the run that finished ``head``'s training on the chunk had more than one, else ``""``."""
-    n = timing.get("train_threads", {}).get(head, 1)
+def threads(timing: dict, step: str) -> str:
+    """`` (2 threads)`` where the run of ``step`` (a head's training, or ``"data"``: the chunk's regeneration and
+    features) on the chunk had more than one thread, else ``""``."""
+    n = timing.get("data_threads", 1) if step == "data" else timing.get("train_threads", {}).get(step, 1)
     return f" ({n} threads)" if n > 1 else ""
 
 

@@ -94,14 +94,14 @@ def submit_build(args, cfg: dict, state: dict, pool: ThreadPoolExecutor, ahead: 
     ahead[chunk] = (pool.submit(build), seconds)
 
 
-def collect_ahead(state: dict, cfg: dict, ahead: dict[int, tuple[Future, dict]], precision: str) -> None:
-    """Add the seconds of a data build that ran ahead, in ``precision``, to its chunk's row as soon as it is done (so
-    that they are saved even if the run stops before that chunk starts); the build's record keeps nothing to add
-    twice."""
+def collect_ahead(args, state: dict, cfg: dict, ahead: dict[int, tuple[Future, dict]]) -> None:
+    """Add the seconds of a data build that ran ahead (in this run's precision and threads) to its chunk's row as soon
+    as it is done (so that they are saved even if the run stops before that chunk starts); the build's record keeps
+    nothing to add twice."""
     for chunk, (future, seconds) in ahead.items():
         if future.done() and seconds:
             timing = chunk_timing(state, cfg, chunk)
-            timing["precision"] = precision
+            timing.update(precision=args.dtype, data_threads=args.threads)
             for key, value in seconds.items():  # regenerate_s, features_s
                 timing[key] = timing.get(key, 0) + value
             seconds.clear()
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
             # what the run finished survives the machine: heads exported since the last commit, the seconds of
             # builds done ahead, finished regeneration parts
             if args.commit:
-                collect_ahead(state, cfg, ahead, args.dtype)
+                collect_ahead(args, state, cfg, ahead)
                 save_state(path, cfg, state)
                 keep_parts(args, cfg, state)
                 publish.commit(args, "what a stopped run had finished")
@@ -190,7 +190,7 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
             SLOTS.notify_all()
         return last_commit
     timing = chunk_timing(state, cfg, chunk)
-    timing["precision"] = args.dtype
+    timing.update(precision=args.dtype, data_threads=args.threads)  # of the run that reached the chunk
     if args.jobs > 1:  # this chunk's data (unless built ahead already), then the next chunks' beside it
         for c in [chunk] + chunks_ahead(args, cfg, state, chunk, todo, stop):
             if c not in ahead:
@@ -199,7 +199,7 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
                     log.info("building chunk %d's data ahead, while chunk %d is built and trained on", c, chunk)
     if chunk in ahead:
         store = ahead[chunk][0].result()
-        collect_ahead(state, cfg, ahead, args.dtype)  # its seconds, if not added yet
+        collect_ahead(args, state, cfg, ahead)  # its seconds, if not added yet
         del ahead[chunk]
     else:
         store = steps.build_chunk(args, cfg, chunk, timing, steps.chunk_records(state, cfg, chunk))
@@ -225,7 +225,7 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
         if all(chunks_done(state, h) > chunk for h in heads_of(cfg, stage)):  # no head will read its answers again
             answers_file(args, chunk).unlink(missing_ok=True)
             steps.prune_features(args, cfg, chunk)
-        collect_ahead(state, cfg, ahead, args.dtype)
+        collect_ahead(args, state, cfg, ahead)
         save_state(path, cfg, state)
         stage_end = last and chunk + 1 in (cfg["stage_ends"][stage - 1], stop)
         if args.commit and (stage_end or time.time() - last_commit >= args.commit_every):
