@@ -385,4 +385,3 @@ def test_a_choice_the_machine_s_load_decided_is_tuned_again_at_the_next_loads_th
     outcomes.extend([{"depth": 2, "total_tokens": 4}, noisy])
     assert load()["tries"] == 2 and load()["total_tokens"] == 4  # settled at the second tuning: kept from then on
     assert len(outcomes) == 1
-
