@@ -11,8 +11,9 @@ of git (``git archive`` into ``work/shipped-curve/``), adds the shipped heads (3
 with ``inference.tau`` on the same settings as the EAGLE-3-generation chunk files beside it (MT-Bench T=0, first 40
 questions, 24-node tree). Tokens seen per chunk: ``benchmarks/results/recipe/recipe.json``. The table and the plot put
 those curves beside ``eagle3`` and ``griffin3`` (the ``chunk-*.json`` files here), with a least-squares slope of τ
-per doubling of tokens over the points after 1M tokens. Writes ``shipped-curve.{json,md}`` (the τ run) and
-``tau-curve.{json,md,png}`` beside this file.
+per doubling of tokens over the points after 1M tokens, and the paired differences of the EAGLE-3-generation heads
+(each chunk against the one before, eagle3 against griffin3) over their files' per-prompt records. Writes
+``shipped-curve.{json,md}`` (the τ run) and ``tau-curve.{json,md,png}`` beside this file.
 """
 
 import argparse
@@ -91,6 +92,71 @@ def tau_of(result: dict, path: str) -> tuple[float, float]:
     return run["tau"], run["tau_se"]
 
 
+def per_prompt(result: dict, name: str) -> dict[tuple[int, int], float]:
+    """-> τ at T=0 of head ``name`` per (question, turn)."""
+    return {(r["question_id"], r["turn"]): r["tau"] for r in result["heads"][name]["0"]["per_prompt"]}
+
+
+def paired(a: dict[tuple[int, int], float], b: dict[tuple[int, int], float]) -> dict:
+    """Mean of τ(a) − τ(b) over the prompts both measured and its standard error."""
+    diffs = [a[k] - b[k] for k in sorted(a.keys() & b.keys())]
+    mean = sum(diffs) / len(diffs)
+    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
+    return {"mean": mean, "se": se, "prompts": len(diffs)}
+
+
+def gen3_line(where: str) -> str | None:
+    """The EAGLE-3-generation lineage a measured head belongs to (None: the shipped head measured beside chunks 0-2)."""
+    return "eagle3" if "eagle3" in where else "griffin3" if "griffin3" in where else None
+
+
+def paired_rows(files: list[tuple[Path, dict]], n: int) -> list[dict]:
+    """Over the files of ``n`` prompts, per chunk: each EAGLE-3-generation head against itself after the chunk
+    measured before (``eagle3_step``, ``griffin3_step``) and eagle3 against griffin3 (``gap``)."""
+    prompts: dict[tuple[str, int], dict] = {}  # (lineage, chunk) -> per-prompt τ
+    names: dict[int, set[str]] = {}  # chunk -> the files its points come from
+    for path, result in files:
+        if result["n_prompts"]["0"] != n:
+            continue
+        for name in result["heads"]:
+            where = result.get("head_paths", {}).get(name, name)
+            if (line := gen3_line(where)) is None:
+                continue
+            chunk = chunk_of(where, path)
+            prompts[(line, chunk)] = per_prompt(result, name)
+            names.setdefault(chunk, set()).add(path.name)
+    chunks = sorted(names)
+    rows = []
+    for prev, chunk in zip([None, *chunks], chunks):
+        row = {"chunk": chunk, "files": sorted(names[chunk])}
+        for line in ("eagle3", "griffin3"):
+            if (line, prev) in prompts and (line, chunk) in prompts:
+                row[f"{line}_step"] = paired(prompts[(line, chunk)], prompts[(line, prev)])
+        if ("eagle3", chunk) in prompts and ("griffin3", chunk) in prompts:
+            row["gap"] = paired(prompts[("eagle3", chunk)], prompts[("griffin3", chunk)])
+        rows.append(row)
+    return rows
+
+
+def paired_table(rows: list[dict], what: str) -> str:
+    def cell(d: dict | None) -> str | None:
+        return None if d is None else f"{d['mean']:+.3f} ± {d['se']:.3f}"
+
+    return (f"\nPaired over {what}: each head against itself after the chunk measured before, and eagle3 against "
+            "griffin3 after the same chunk (mean of per-prompt differences ± its standard error).\n\n"
+            + markdown_table(["after chunk", "eagle3 − the chunk before", "griffin3 − the chunk before",
+                              "eagle3 − griffin3", "files"],
+                             [[r["chunk"], cell(r.get("eagle3_step")), cell(r.get("griffin3_step")), cell(r.get("gap")),
+                               ", ".join(r["files"])] for r in rows]))
+
+
+def chunk_of(where: str, path: Path) -> int:
+    """The chunk a recipe head was measured after: its run folder's, or for chunk-7.json (the ``wip-*`` heads,
+    named without their chunk) the file's."""
+    suffix = where.split("-")[-1]
+    return int(suffix) if suffix.isdigit() else int(path.stem.split("-")[1])
+
+
 def table() -> None:
     curve = json.loads(Path("benchmarks/results/recipe/recipe.json").read_text())["curve"]
     shipped = json.loads((HERE / "shipped-curve.json").read_text())
@@ -101,17 +167,15 @@ def table() -> None:
             lines.setdefault(line, []).append({"chunks": chunks, "tokens": tokens_seen(curve, line, chunks),
                                                "tau": tau, "se": se, "file": "shipped-curve.json"})
     recipe3 = json.loads(Path("checkpoints/smollm2-135m-instruct-recipe3/recipe.json").read_text())["curve"]
-    for path in sorted(HERE.glob("chunk*.json"), key=lambda p: p.name):
-        result = json.loads(path.read_text())
-        if result["n_prompts"]["0"] != 80:  # the curve's measure: 40 questions (chunk-11-160 took all 160 prompts)
+    files = [(path, json.loads(path.read_text())) for path in sorted(HERE.glob("chunk*.json"), key=lambda p: p.name)]
+    for path, result in files:
+        if result["n_prompts"]["0"] != 80:  # the curve's measure: 40 questions (chunk-*-160 took all 160 prompts)
             continue
         for name in result["heads"]:
             where = result.get("head_paths", {}).get(name, name)  # a head measured alone is named by its last folder
-            if "eagle3" not in where and "griffin3" not in where:  # the shipped head measured beside chunks 0-2
+            if (line := gen3_line(where)) is None:
                 continue
-            line = "eagle3" if "eagle3" in where else "griffin3"
-            suffix = where.split("-")[-1]  # chunk-7.json measured the wip heads, named without their chunk
-            chunk = int(suffix) if suffix.isdigit() else int(path.stem.split("-")[-1])
+            chunk = chunk_of(where, path)
             tokens = next(p["tokens_seen"] for p in recipe3 if p["head"] == line and p["chunk"] == chunk)
             tau, se = tau_of(result, name)
             lines.setdefault(line, []).append({"chunks": chunk + 1, "tokens": tokens, "tau": tau, "se": se,
@@ -128,6 +192,7 @@ def table() -> None:
     fits = [[line, len([p for p in pts if p["tokens"] > FIT_FROM]),
              None if slopes[line] is None else f"{slopes[line]:+.3f}",
              f"{pts[-1]['tokens']:,}", f"{pts[-1]['tau']:.2f}"] for line, pts in lines.items()]
+    paired80, paired160 = paired_rows(files, 80), paired_rows(files, 160)
     text = ("# τ against tokens seen: the shipped heads' lineages and the EAGLE-3 generation\n\n"
             "Offline τ (`inference.tau`) on the fixed 24-node tree (depth 5, top-k 8), MT-Bench T=0, the first 40 "
             "questions (80 prompts), ± the standard error over prompts. `griffin` and `eagle2`: the shipped heads' "
@@ -137,9 +202,12 @@ def table() -> None:
             + markdown_table(["lineage", "fitted points", "τ per doubling", "tokens seen (last)", "τ (last)"], fits)
             + "\n" + markdown_table(["lineage", "chunks seen", "tokens seen", "τ", "τ per doubling since the point "
                                       "before", "file"], rows)
+            + paired_table(paired80, "the curve's 80 prompts")
+            + paired_table(paired160, "all 160 prompts (the issue's measure)")
             + "\nCommand: `python benchmarks/results/recipe3-tau/shipped-curve.py --table`\n\n"
             "![τ against tokens seen](tau-curve.png)\n")
-    write_benchmark(HERE, "tau-curve", {"lines": lines, "slopes": slopes, "fit_from": FIT_FROM}, text)
+    write_benchmark(HERE, "tau-curve", {"lines": lines, "slopes": slopes, "fit_from": FIT_FROM,
+                                          "paired": {"80": paired80, "160": paired160}}, text)
     plot(lines, slopes)
 
 
