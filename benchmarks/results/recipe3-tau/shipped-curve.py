@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy
 
-from griffin.report import markdown_table, write_benchmark
+from griffin.report import markdown_table, paired_difference, write_benchmark
 
 HERE = Path("benchmarks/results/recipe3-tau")  # run from the repository root: the paths below are relative to it
 WORK = Path("work/shipped-curve")
@@ -92,19 +92,6 @@ def tau_of(result: dict, path: str) -> tuple[float, float]:
     return run["tau"], run["tau_se"]
 
 
-def per_prompt(result: dict, name: str) -> dict[tuple[int, int], float]:
-    """-> τ at T=0 of head ``name`` per (question, turn)."""
-    return {(r["question_id"], r["turn"]): r["tau"] for r in result["heads"][name]["0"]["per_prompt"]}
-
-
-def paired(a: dict[tuple[int, int], float], b: dict[tuple[int, int], float]) -> dict:
-    """Mean of τ(a) − τ(b) over the prompts both measured and its standard error."""
-    diffs = [a[k] - b[k] for k in sorted(a.keys() & b.keys())]
-    mean = sum(diffs) / len(diffs)
-    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
-    return {"mean": mean, "se": se, "prompts": len(diffs)}
-
-
 def gen3_line(where: str) -> str | None:
     """The EAGLE-3-generation lineage a measured head belongs to (None: the shipped head measured beside chunks 0-2)."""
     return "eagle3" if "eagle3" in where else "griffin3" if "griffin3" in where else None
@@ -113,7 +100,7 @@ def gen3_line(where: str) -> str | None:
 def paired_rows(files: list[tuple[Path, dict]], n: int) -> list[dict]:
     """Over the files of ``n`` prompts, per chunk: each EAGLE-3-generation head against itself after the chunk
     measured before (``eagle3_step``, ``griffin3_step``) and eagle3 against griffin3 (``gap``)."""
-    prompts: dict[tuple[str, int], dict] = {}  # (lineage, chunk) -> per-prompt τ
+    prompts: dict[tuple[str, int], list[dict]] = {}  # (lineage, chunk) -> its per-prompt records at T=0
     names: dict[int, set[str]] = {}  # chunk -> the files its points come from
     for path, result in files:
         if result["n_prompts"]["0"] != n:
@@ -123,7 +110,7 @@ def paired_rows(files: list[tuple[Path, dict]], n: int) -> list[dict]:
             if (line := gen3_line(where)) is None:
                 continue
             chunk = chunk_of(where, path)
-            prompts[(line, chunk)] = per_prompt(result, name)
+            prompts[(line, chunk)] = result["heads"][name]["0"]["per_prompt"]
             names.setdefault(chunk, set()).add(path.name)
     chunks = sorted(names)
     rows = []
@@ -131,9 +118,9 @@ def paired_rows(files: list[tuple[Path, dict]], n: int) -> list[dict]:
         row = {"chunk": chunk, "files": sorted(names[chunk])}
         for line in ("eagle3", "griffin3"):
             if (line, prev) in prompts and (line, chunk) in prompts:
-                row[f"{line}_step"] = paired(prompts[(line, chunk)], prompts[(line, prev)])
+                row[f"{line}_step"] = paired_difference(prompts[(line, chunk)], prompts[(line, prev)])
         if ("eagle3", chunk) in prompts and ("griffin3", chunk) in prompts:
-            row["gap"] = paired(prompts[("eagle3", chunk)], prompts[("griffin3", chunk)])
+            row["gap"] = paired_difference(prompts[("eagle3", chunk)], prompts[("griffin3", chunk)])
         rows.append(row)
     return rows
 
