@@ -25,13 +25,12 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 from pathlib import Path
 
 from griffin.cli import run_cli
 from griffin.io import atomic_write, atomic_write_text, weights_digest
-from griffin.report import markdown_table, paired_difference
+from griffin.report import markdown_table, paired_difference, pooled_tau
 from inference.questions import BENCHES, EXTRA_BENCHES
 from training.export import STAGES
 
@@ -213,10 +212,6 @@ def tokens_trained(args, suffix: str) -> int | None:
     return sum(epoch.get("tokens", 0) for stage in json.loads(path.read_text()) for epoch in stage.get("epochs", []))
 
 
-def standard_error(values: list[float]) -> float | None:
-    return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None
-
-
 def report(args, temperatures: list[float]) -> str:
     columns = columns_of(list(BENCHES + EXTRA_BENCHES), temperatures)
     runs, stale = (replays if args.replay else speed_runs)(args, columns)
@@ -227,7 +222,7 @@ def report(args, temperatures: list[float]) -> str:
                                 + (" --replay" if args.replay else ""))
     taus = {label: {c: run["tau"] for c, run in found.items()} for label, found in runs.items()}
     errors = {label: {c: e for c, run in found.items()
-                      if (e := standard_error([p["tau"] for p in run.get("per_prompt", [])])) is not None}
+                      if not math.isnan(e := pooled_tau(run.get("per_prompt", []))["se"])}
               for label, found in runs.items()}
     prompts: dict[tuple, set] = {}
     for found in runs.values():
@@ -259,9 +254,10 @@ def report(args, temperatures: list[float]) -> str:
             "stages its checkpoint records); heads with the same count trained on the same features, data split and "
             "schedule (the first five: the GRIFFIN paper's ablation; the last two: `training.recipe --generation 3`, "
             f"still training). Tree {settings[0]}, up to {settings[1]} new tokens, fp32 target. Column headers give "
-            "the number of prompts (MT-Bench: both turns of each question); ± is the standard error of the mean of "
-            "per-prompt τ (the spread over prompts; at T=0 all heads answer the same prompts, so a difference between "
-            "heads is less noisy than that: see the paired table).\n\n" + markdown_table(headers, rows))
+            "the number of prompts (MT-Bench: both turns of each question); τ is pooled over them (all new tokens / "
+            "all passes) and ± is its standard error over prompts (delta method; at T=0 all heads answer the same "
+            "prompts, so a difference between heads is less noisy than that: see the paired table).\n\n"
+            + markdown_table(headers, rows))
     text += paired_section(runs, columns, names, OURS)
     text += paired_section({label: runs[label] for label in NEW_BASE if label in runs}, columns, names, NEW_BASE[1])
     text += sources_section(runs) if args.replay else ""
@@ -289,13 +285,14 @@ def paired_section(runs: dict[str, dict[tuple, dict]], columns: list[tuple], nam
                 row.append("-")
                 continue
             error = "" if math.isnan(pair["se"]) else f" ± {pair['se']:.3f}"
-            row.append(f"{pair['mean']:+.3f}{error} ({reference['tau'] / found[c]['tau']:.3f}x)")
+            row.append(f"{pair['diff']:+.3f}{error} ({reference['tau'] / found[c]['tau']:.3f}x)")
         rows.append(row)
     if not rows or all(v == "-" for row in rows for v in row[1:]):
         return ""
     against = "each head" if len(rows) > 1 else rows[0][0]
-    return (f"\n## {ours_label} against {against}, paired\n\nMean over the prompts both heads ran of "
-            f"τ({ours_label}) − τ(head), ± its standard error, and the ratio of the two τ"
+    return (f"\n## {ours_label} against {against}, paired\n\nOver the prompts both heads ran: "
+            f"τ({ours_label}) − τ(head), ± its standard error (delta method, paired per prompt), and the ratio of "
+            "the two τ"
             + (" (each head against the GRIFFIN run of its own replay file where it has one)" if ours_label == OURS
                else "") + ".\n\n" + markdown_table(["head"] + names, rows))
 

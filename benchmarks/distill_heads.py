@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -26,7 +25,14 @@ from pathlib import Path
 
 from griffin.cli import run_cli
 from griffin.io import atomic_write, atomic_write_json, weights_digest
-from griffin.report import command_line, machine_info, markdown_table, write_benchmark
+from griffin.report import (
+    command_line,
+    machine_info,
+    markdown_table,
+    paired_difference,
+    pooled_tau,
+    write_benchmark,
+)
 
 INIT = "init (no fine-tuning)"
 OBJECTIVES = {  # head name -> training.train flags; {heads} is the heads folder
@@ -189,15 +195,6 @@ def evaluate_missing(args, argv: list[str] | None) -> None:
         journal.finish()
 
 
-def paired(a: list[dict], b: list[dict]) -> tuple[float, float]:
-    """Mean and standard error of per-prompt τ(a) − τ(b) over the prompts both measured (the same continuations)."""
-    other = {(p["question_id"], p["turn"]): p["tau"] for p in b}
-    diffs = [p["tau"] - other[(p["question_id"], p["turn"])] for p in a if (p["question_id"], p["turn"]) in other]
-    if len(diffs) < 2:
-        return float("nan"), float("nan")
-    return statistics.fmean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
-
-
 def collect(args) -> dict:
     heads = {}
     for name, folder in head_folders(args).items():
@@ -220,10 +217,12 @@ def collect(args) -> dict:
         raise FileNotFoundError(f"no τ results under {args.results}: run with --evaluate first")
     for entry in heads.values():
         for key, res in entry["tau"].items():
+            res["tau_se"] = pooled_tau(res["per_prompt"])["se"]  # files written before τ's ± was pooled too
             base = heads.get(BASELINE, {}).get("tau", {}).get(key)
             if base:
-                mean, se = paired(res["per_prompt"], base["per_prompt"])
-                res["vs_baseline"] = {"ratio": res["tau"] / base["tau"], "paired_diff": mean, "paired_se": se}
+                pair = paired_difference(res["per_prompt"], base["per_prompt"]) or {"diff": math.nan, "se": math.nan}
+                res["vs_baseline"] = {"ratio": res["tau"] / base["tau"], "paired_diff": pair["diff"],
+                                      "paired_se": pair["se"]}
     return heads
 
 
@@ -266,11 +265,12 @@ def report(args, argv: list[str] | None) -> None:
             f"τ = new tokens per target verification, measured offline with `inference.tau` on {args.bench} "
             f"(prompts: {', '.join(f'T={t}: {n}' for t, n in prompts.items())}; MT-Bench counts both turns), "
             f"one fixed tree for every head ({args.total_tokens} nodes, depth {args.depth}, top-k {args.top_k}), up "
-            f"to {args.max_new_tokens} new tokens. ± is the standard error of the mean per-prompt τ; the paired Δτ "
-            f"is the mean per-prompt difference from {BASELINE} over the same prompts and continuations, with its "
-            "standard error (the figure that says whether two heads differ). α_d = fraction of cycles whose accepted "
-            "path reaches depth d among those that reached d−1 (acceptance rate per draft depth). Validation top-1 "
-            "is on the store's held-out conversations with the inference-time draft vocabulary. soft-CE and FKL "
+            f"to {args.max_new_tokens} new tokens; τ is pooled over the prompts (all new tokens / all passes) and ± is "
+            f"its standard error over prompts (delta method); the paired Δτ is the difference from {BASELINE}'s τ over "
+            "the same prompts and continuations, with its standard error (the figure that says whether two heads "
+            "differ). α_d = fraction of cycles whose accepted path reaches depth d among those that reached d−1 "
+            "(acceptance rate per draft depth). Validation top-1 is on the store's held-out conversations with the "
+            "inference-time draft vocabulary. soft-CE and FKL "
             "differ by the target's entropy only, so they have the same gradient: the gap between those two heads is "
             "the run-to-run noise of this setup (float rounding through bf16 autocast and Adam).\n\n"
             + markdown_table(headers, rows) + "\nTraining commands (`python -m benchmarks.distill_heads --train`):"

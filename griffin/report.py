@@ -91,12 +91,47 @@ def fastest_plain(result: dict) -> tuple[float, str] | None:
     return result["tokens_per_s"] / rates[name], name
 
 
+def prompt_counts(record: dict) -> tuple[int, float]:
+    """(new tokens, verification cycles) of one per-prompt record: an :mod:`inference.tau` replay's (``new_tokens``,
+    ``cycles``) or an :mod:`inference.speed` run's (``ours.new_tokens``, ``cycles``; records written before ``cycles``
+    was stored give it back as new tokens / τ, the ratio the engine computed τ from)."""
+    tokens = record["new_tokens"] if "new_tokens" in record else record["ours"]["new_tokens"]
+    return tokens, record["cycles"] if "cycles" in record else tokens / record["tau"]
+
+
+def _residuals(records: list[dict]) -> tuple[float, list[float]]:
+    """The pooled τ = Σ tokens / Σ cycles of ``records`` and each prompt's linearised residual
+    (tokens_i − τ·cycles_i) / mean cycles, whose mean is 0 and whose spread gives τ's standard error (delta method)."""
+    counts = [prompt_counts(r) for r in records]
+    tokens, cycles = sum(t for t, _ in counts), sum(c for _, c in counts)
+    if not cycles:
+        return float("nan"), [float("nan")] * len(counts)
+    tau = tokens / cycles
+    mean_cycles = cycles / len(counts)
+    return tau, [(t - tau * c) / mean_cycles for t, c in counts]
+
+
+def _se(residuals: list[float]) -> float:
+    return statistics.stdev(residuals) / len(residuals) ** 0.5 if len(residuals) > 1 else float("nan")
+
+
+def pooled_tau(records: list[dict]) -> dict:
+    """τ over a set of prompts as speed runs report it (all new tokens / all verification cycles, so a long answer
+    weighs more than a short one), its standard error over prompts (delta method) and the number of prompts."""
+    if not records:
+        return {"tau": float("nan"), "se": float("nan"), "n_prompts": 0}
+    tau, residuals = _residuals(records)
+    return {"tau": tau, "se": _se(residuals), "n_prompts": len(records)}
+
+
 def paired_difference(first: list[dict], other: list[dict]) -> dict | None:
-    """Per-prompt τ of ``first`` minus ``other`` over the prompts both ran (matched by question and turn): mean, its
-    standard error (NaN from fewer than two prompts) and the number of prompts; None where they share none."""
-    mine = {(p["question_id"], p["turn"]): p["tau"] for p in first if "question_id" in p}
-    diffs = [mine[k] - p["tau"] for p in other if "question_id" in p and (k := (p["question_id"], p["turn"])) in mine]
-    if not diffs:
+    """Pooled τ of ``first`` minus pooled τ of ``other`` over the prompts both ran (matched by question and turn), the
+    standard error of that difference (delta method, paired per prompt: NaN from fewer than two prompts) and the
+    number of prompts; None where they share none."""
+    mine = {(p["question_id"], p["turn"]): p for p in first if "question_id" in p}
+    pairs = [(mine[k], p) for p in other if "question_id" in p and (k := (p["question_id"], p["turn"])) in mine]
+    if not pairs:
         return None
-    se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
-    return {"mean": statistics.fmean(diffs), "se": se, "n_prompts": len(diffs)}
+    tau_a, res_a = _residuals([a for a, _ in pairs])
+    tau_b, res_b = _residuals([b for _, b in pairs])
+    return {"diff": tau_a - tau_b, "se": _se([a - b for a, b in zip(res_a, res_b)]), "n_prompts": len(pairs)}

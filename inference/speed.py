@@ -367,7 +367,7 @@ def run_bench(bench: str, gen: SpecGenerator, runner: Runner, args: argparse.Nam
         {"question_id": r["question_id"], "turn": r["turn"], "prompt_tokens": r["prompt_tokens"],
          **{m: {"seconds": r[m]["seconds"], "cpu_seconds": r[m].get("cpu_seconds"), "new_tokens": len(r[m]["tokens"])}
             for m in args.methods},
-         "tau": r["ours"]["stats"]["tau"]} for r in records]})
+         "tau": r["ours"]["stats"]["tau"], "cycles": r["ours"]["stats"]["cycles"]} for r in records]})
     atomic_write_text(out_dir / f"{stem}.md", table(result))
     atomic_write_text(out_dir / "answers" / f"{stem}.jsonl",
                       answers_jsonl(records, questions, gen.tokenizer, f"{args.target}-{tag}"))

@@ -52,7 +52,6 @@ import argparse
 import contextlib
 import hashlib
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -61,7 +60,15 @@ from pathlib import Path
 
 from griffin.cli import run_cli
 from griffin.constants import EMBEDDED_TARGET
-from griffin.report import command_line, machine_info, machine_text, markdown_table, paired_difference, write_benchmark
+from griffin.report import (
+    command_line,
+    machine_info,
+    machine_text,
+    markdown_table,
+    paired_difference,
+    pooled_tau,
+    write_benchmark,
+)
 
 from .questions import BENCHES, EXTRA_BENCHES, load_questions
 
@@ -416,9 +423,8 @@ class TauResult:
 
     @property
     def tau_se(self) -> float:
-        """Standard error of the mean of per-prompt τ."""
-        taus = [p.tau for p in self.prompts]
-        return statistics.stdev(taus) / len(taus) ** 0.5 if len(taus) > 1 else float("nan")
+        """Standard error of :attr:`tau` over prompts (delta method: :func:`griffin.report.pooled_tau`)."""
+        return pooled_tau([{"new_tokens": p.new_tokens, "cycles": p.cycles} for p in self.prompts])["se"]
 
     def alpha(self) -> list[float]:
         """α_d for d = 1..depth: the fraction of cycles whose accepted path reaches depth d among those that reached
@@ -564,14 +570,13 @@ def engine_check(head: DraftModel, target: PreTrainedModel, tokenizer: PreTraine
 
 def compare_reference(result: TauResult, reference: dict) -> dict:
     """The replay's τ against a speed run's (:mod:`inference.speed` JSON with ``per_prompt``) on the same prompts."""
-    engine = {(p["question_id"], p["turn"]): p["tau"] for p in reference["per_prompt"]}
-    pairs = [(engine[(p.question_id, p.turn)], p.tau) for p in result.prompts if (p.question_id, p.turn) in engine]
+    engine = {(p["question_id"], p["turn"]): p for p in reference["per_prompt"]}
+    pairs = [(engine[k], p) for p in result.prompts if (k := (p.question_id, p.turn)) in engine]
     if not pairs:
         raise ValueError("the reference speed run shares no prompt with this evaluation")
-    diffs = [abs(a - b) for a, b in pairs]
-    taus = [a for a, _ in pairs]
-    return {"speed_run_tau": reference["tau"],
-            "speed_run_tau_se": statistics.stdev(taus) / len(taus) ** 0.5 if len(taus) > 1 else float("nan"),
+    shared = [e for e, _ in pairs]
+    diffs = [abs(e["tau"] - p.tau) for e, p in pairs]
+    return {"speed_run_tau": reference["tau"], "speed_run_tau_se": pooled_tau(shared)["se"],
             "replay_tau": result.tau, "replay_tau_se": result.tau_se, "n_prompts": len(pairs),
             "same_tau": sum(d < 1e-9 for d in diffs), "mean_abs_diff": sum(diffs) / len(diffs),
             "max_abs_diff": max(diffs), "command": reference.get("command"),
@@ -661,9 +666,9 @@ def head_names(paths: list[str]) -> dict[str, str]:
 
 
 def paired_differences(result: dict) -> dict:
-    """{T: {head: row}} for every head after the first: the first head's per-prompt τ minus this head's on the same
-    prompts (mean and its standard error, which the pairing makes much smaller than either τ's), and the ratio of
-    their τ. Empty with fewer than two heads."""
+    """{T: {head: row}} for every head after the first: the first head's τ minus this head's on the same prompts
+    (:func:`griffin.report.paired_difference`: the difference and its standard error, which the pairing makes much
+    smaller than either τ's), and the ratio of their τ. Empty with fewer than two heads."""
     names = list(result["heads"])
     out: dict = {}
     for t in result["n_prompts"] if len(names) > 1 else []:
@@ -672,7 +677,7 @@ def paired_differences(result: dict) -> dict:
         for name in names[1:]:
             run = result["heads"][name][t]
             pair = paired_difference(first["per_prompt"], run["per_prompt"]) or {
-                "mean": float("nan"), "se": float("nan"), "n_prompts": 0}
+                "diff": float("nan"), "se": float("nan"), "n_prompts": 0}
             out[t][name] = {**pair, "ratio": first["tau"] / run["tau"]}
     return out
 
@@ -691,18 +696,20 @@ def table(result: dict) -> str:
     prompts = ", ".join(f"T={t}: {n}" for t, n in result["n_prompts"].items())
     text = (f"# Offline acceptance length τ · {result['bench']}\n\n"
             f"τ = new tokens per target verification pass, replayed against the target's stored continuations "
-            f"(`inference.tau`); ± is the standard error of the mean of per-prompt τ. α_d = fraction of cycles "
-            f"whose accepted path reaches depth d among those reaching d-1. Tree {tree['total_tokens']} nodes, depth "
+            f"(`inference.tau`), pooled over the prompts (all new tokens / all passes); ± is its standard error over "
+            f"prompts (delta method). α_d = fraction of cycles whose accepted path reaches depth d among those "
+            f"reaching d-1. Tree {tree['total_tokens']} nodes, depth "
             f"{tree['depth']}, top-k {tree['top_k']}; up to {result['max_new_tokens']} new tokens; target "
             f"{result['target']} ({result['dtype']}), draft dtype {result['draft_dtype']}; prompts {prompts}.\n\n"
             + markdown_table(headers, rows))
     paired = paired_differences(result)
     if paired:
         first = next(iter(result["heads"]))
-        text += (f"\n## {first} against each other head\n\nPaired over the same prompts: mean of per-prompt "
-                 f"τ({first}) − τ(head) ± its standard error; ratio of the two τ.\n\n" + markdown_table(
+        text += (f"\n## {first} against each other head\n\nPaired over the same prompts: τ({first}) − τ(head) "
+                 "± its standard error (delta method, per-prompt residuals paired); ratio of the two τ.\n\n"
+                 + markdown_table(
                      ["head", "T", "prompts", f"τ({first}) − τ(head)", f"τ({first}) / τ(head)"],
-                     [[name, t, r["n_prompts"], f"{r['mean']:+.3f} ± {r['se']:.3f}", f"{r['ratio']:.3f}"]
+                     [[name, t, r["n_prompts"], f"{r['diff']:+.3f} ± {r['se']:.3f}", f"{r['ratio']:.3f}"]
                       for t, rows in paired.items() for name, r in rows.items()]))
     refs = [(name, t, runs[t]["reference"]) for name, runs in result["heads"].items() for t in temps
             if "reference" in runs[t]]

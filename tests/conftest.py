@@ -179,5 +179,5 @@ def fake_result(bench: str, draft: str, temperature: float, tau: float, digest: 
             "tree": {"depth": 5, "top_k": 8, "total_tokens": 24}, "command": f"python -m inference.speed {bench}",
             "machine": {"cpu": "Intel(R) Xeon(R) Processor", "cores": 2, "torch": "2.13", "date": "today",
                         "torch_threads": 1},
-            "per_prompt": [{"question_id": 1, "turn": 0, "tau": tau - 0.1},
-                           {"question_id": 2, "turn": 0, "tau": tau + 0.1}]}  # standard error 0.1
+            "per_prompt": [{"question_id": q, "turn": 0, "tau": t, "ours": {"new_tokens": 100 * t}, "cycles": 100}
+                           for q, t in ((1, tau - 0.1), (2, tau + 0.1))]}  # standard error 0.1

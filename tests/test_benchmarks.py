@@ -100,7 +100,9 @@ def test_ablation_from_replays_runs_every_head_at_once_and_pairs_griffin_with_ea
                   "head_digests": {Path(h).name: by_name[Path(h).name] for h in heads}}
         for i, head in enumerate(heads):
             shift = 0.01 * len(calls)  # every replay measures a little differently, so a pairing shows its source
-            per_prompt = [{"question_id": q, "turn": 0, "tau": 3.0 - 0.2 * i + 0.1 * q + shift} for q in range(4)]
+            taus = [3.0 - 0.2 * i + 0.1 * q + shift for q in range(4)]
+            per_prompt = [{"question_id": q, "turn": 0, "tau": t, "new_tokens": 100 * t, "cycles": 100}
+                          for q, t in enumerate(taus)]
             result["heads"][Path(head).name] = {t: {"tau": 3.15 - 0.2 * i + shift, "n_prompts": 4,
                                                     "per_prompt": per_prompt}}
         out.with_suffix(".json").write_text(json.dumps(result))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import statistics
 
+import pytest
+
 from benchmarks import distill_heads
 
 
@@ -20,8 +22,8 @@ def write_head(folder, token_loss: str, top1: float, select=None) -> None:
 
 
 def write_tau(path, name: str, taus: list[float]) -> None:
-    per_prompt = [{"question_id": i // 2, "turn": i % 2, "tau": t, "new_tokens": 100, "cycles": 100 / t}
-                  for i, t in enumerate(taus)]
+    per_prompt = [{"question_id": i // 2, "turn": i % 2, "tau": t, "new_tokens": 100 * t, "cycles": 100}
+                  for i, t in enumerate(taus)]  # equal cycles: pooled τ is the mean of per-prompt τ
     record = {"head": name, "tau": statistics.fmean(taus), "tau_se": statistics.stdev(taus) / len(taus) ** 0.5,
               "n_prompts": len(taus), "alpha": [0.6, 0.5, 0.4, 0.3, 0.2], "per_prompt": per_prompt,
               "command": "python -m benchmarks.distill_heads --evaluate"}
@@ -52,5 +54,5 @@ def test_report_pairs_each_head_with_soft_ce_on_the_same_prompts(tmp_path):
     assert text.count(want) == 2  # T=0 and T=1
     assert "| init (no fine-tuning) | - |" in text and "0.600 | 0.500 | 0.400 | 0.300 | 0.200 |" in text
     data = json.loads(report.with_suffix(".json").read_text())
-    assert data["heads"]["fkl-adaspec"]["tau"]["0"]["vs_baseline"]["paired_se"] == se
+    assert data["heads"]["fkl-adaspec"]["tau"]["0"]["vs_baseline"]["paired_se"] == pytest.approx(se)
     assert report.with_suffix(".png").stat().st_size > 1000

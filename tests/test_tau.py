@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import statistics
 
 import pytest
@@ -14,6 +15,7 @@ from scipy.stats import chisquare
 from griffin import DraftConfig, DraftModel, SpecGenerator, load_target
 from griffin.drafters import HeadDrafter
 from griffin.plain import plain_generate
+from griffin.report import paired_difference, pooled_tau
 from griffin.sampling import SamplingConfig, warp
 from inference import tau
 from inference.tau import PromptTau, Sample, TauResult, continuations, evaluate, prepare_head, replay, target_features
@@ -218,20 +220,23 @@ def test_cli_engine_check_resume_and_reference(tmp_path, tiny_target_dir, monkey
     run = first["heads"]["head"]["0"]
     assert run["per_prompt"][0]["new_tokens"] > 1000
     run["per_prompt"][0]["tau"] = run["engine_check"][0]["replay_tau"]  # undo the tampering for the checks below
+    run["per_prompt"][0]["new_tokens"] -= 1000
     assert [(r["engine_tau"], r["same_output"]) for r in run["engine_check"]] == \
         [(r["replay_tau"], True) for r in run["engine_check"]]
     assert [r["replay_tau"] for r in run["engine_check"]] == [p["tau"] for p in run["per_prompt"]]
     # a speed run's JSON as the reference: its temperature and questions are taken, per-prompt τ compared
     reference = {"bench": first["bench"], "max_new_tokens": 12, "tree": first["tree"], "temperature": 0.0,
                  "n_questions": 2, "tau": run["tau"], "command": "python -m inference.speed ...",
-                 "per_prompt": [{"question_id": r["question_id"], "turn": r["turn"], "tau": r["engine_tau"]}
-                                for r in run["engine_check"]]}
+                 "per_prompt": [{"question_id": r["question_id"], "turn": r["turn"], "tau": r["engine_tau"],
+                                 "ours": {"new_tokens": p["new_tokens"]}, "cycles": p["cycles"]}
+                                for r, p in zip(run["engine_check"], run["per_prompt"])]}
     (tmp_path / "speed.json").write_text(json.dumps(reference))
     code, err = run_main("inference.tau", *common, "--references", str(tmp_path / "speed.json"), "--out",
                          str(tmp_path / "second"))
     assert code == 0, err
     compared = json.loads((tmp_path / "second.json").read_text())["heads"]["head"]["0"]["reference"]
     assert (compared["same_tau"], compared["n_prompts"]) == (2, 2)
+    assert compared["speed_run_tau_se"] == pytest.approx(compared["replay_tau_se"])  # the same passes, pooled alike
     assert "Against speed runs" in (tmp_path / "second.md").read_text()
     reference["tree"] = {"depth": 5, "top_k": 8, "total_tokens": 24}
     (tmp_path / "speed.json").write_text(json.dumps(reference))
@@ -249,10 +254,37 @@ def test_paired_differences_pair_prompts_by_question_and_turn():
     result = {"n_prompts": {"0": 3}, "heads": {"a": {"0": run(base)}, "b": {"0": run(other)}}}
     row = tau.paired_differences(result)["0"]["b"]
     diffs = [1.0, 1.0, 0.5]  # (1,0), (1,1), (2,0); (9,0) is not paired
-    assert row["n_prompts"] == 3 and row["mean"] == pytest.approx(2.5 / 3)
+    assert row["n_prompts"] == 3 and row["diff"] == pytest.approx(2.5 / 3)  # equal cycles: the mean difference
     assert row["se"] == pytest.approx(statistics.stdev(diffs) / 3 ** 0.5)
     assert row["ratio"] == pytest.approx(3.0 / (15.5 / 4))
     assert tau.paired_differences({"n_prompts": {"0": 3}, "heads": {"a": {"0": run(base)}}}) == {}
+
+
+def test_pooled_tau_and_paired_difference_standard_errors_match_a_bootstrap():
+    rng = random.Random(0)
+    first, other = [], []
+    for i in range(120):  # the same answers (T=0); the other head needs a few more passes on some of them
+        cycles = rng.choice([rng.randint(2, 6), rng.randint(20, 64)])  # short answers weigh less in pooled τ
+        tokens = round(cycles * rng.uniform(1.4, 3.4))
+        first.append({"question_id": i, "turn": 0, "new_tokens": tokens, "cycles": cycles})
+        other.append({"question_id": i, "turn": 0, "new_tokens": tokens, "cycles": cycles + rng.randint(0, 5)})
+
+    def pooled(rows: list[dict]) -> float:
+        return sum(r["new_tokens"] for r in rows) / sum(r["cycles"] for r in rows)
+
+    boot_tau, boot_diff = [], []
+    for _ in range(3000):
+        pick = [rng.randrange(120) for _ in range(120)]
+        boot_tau.append(pooled([first[i] for i in pick]))
+        boot_diff.append(boot_tau[-1] - pooled([other[i] for i in pick]))
+    single, pair = pooled_tau(first), paired_difference(first, other)
+    assert single["tau"] == pooled(first) and single["n_prompts"] == 120
+    assert single["se"] == pytest.approx(statistics.stdev(boot_tau), rel=0.08)
+    assert pair["diff"] == pytest.approx(pooled(first) - pooled(other)) and pair["n_prompts"] == 120
+    assert pair["se"] == pytest.approx(statistics.stdev(boot_diff), rel=0.08)
+    # a speed run's record gives its passes as new tokens / τ where it predates the stored count
+    assert pooled_tau([{"ours": {"new_tokens": 10}, "tau": 2.5}, {"ours": {"new_tokens": 6}, "tau": 1.5, "cycles": 4}])[
+        "tau"] == pytest.approx(16 / 8)
 
 
 def test_tau_by_category_pools_tokens_over_cycles_and_needs_two_categories():

@@ -129,12 +129,12 @@ def tau_of(tau: dict, arm: str) -> str:
 
 
 def paired(tau: dict) -> str:
-    """Paired per-prompt tau differences between the arms (same prompts, same target continuations)."""
-    lines = ["\nPaired per-prompt tau differences (mean ± standard error over prompts):\n\n"]
+    """Paired tau differences between the arms (same prompts, same target continuations)."""
+    lines = ["\nPaired tau differences (pooled tau, ± its standard error over prompts):\n\n"]
     for first, other in (("griffin3-nomask", "eagle3"), ("griffin3+mask", "eagle3"),
                          ("griffin3-nomask", "griffin3+mask")):
         d = paired_difference(tau["heads"][first]["0"]["per_prompt"], tau["heads"][other]["0"]["per_prompt"])
-        lines.append(f"- {first} − {other}: {d['mean']:+.3f} ± {d['se']:.3f} ({d['n_prompts']} prompts)\n")
+        lines.append(f"- {first} − {other}: {d['diff']:+.3f} ± {d['se']:.3f} ({d['n_prompts']} prompts)\n")
     return "".join(lines)
 
 

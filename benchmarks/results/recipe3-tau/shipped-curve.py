@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy
 
-from griffin.report import markdown_table, paired_difference, write_benchmark
+from griffin.report import markdown_table, paired_difference, pooled_tau, write_benchmark
 
 HERE = Path("benchmarks/results/recipe3-tau")  # run from the repository root: the paths below are relative to it
 WORK = Path("work/shipped-curve")
@@ -86,10 +86,12 @@ def slope(points: list[tuple[int, float]]) -> float | None:
 
 
 def tau_of(result: dict, path: str) -> tuple[float, float]:
-    """-> τ at T=0 and its standard error of the head at ``path`` (a result names heads by folder)."""
+    """-> τ at T=0 and its standard error of the head at ``path`` (a result names heads by folder). The error is
+    recomputed from the per-prompt records: files written before ``inference.tau`` pooled it give the spread of
+    per-prompt τ in ``tau_se``."""
     name = {p: n for n, p in result.get("head_paths", {}).items()}.get(path, path)
     run = result["heads"][name]["0"]
-    return run["tau"], run["tau_se"]
+    return run["tau"], pooled_tau(run["per_prompt"])["se"]
 
 
 def gen3_line(where: str) -> str | None:
@@ -127,10 +129,10 @@ def paired_rows(files: list[tuple[Path, dict]], n: int) -> list[dict]:
 
 def paired_table(rows: list[dict], what: str) -> str:
     def cell(d: dict | None) -> str | None:
-        return None if d is None else f"{d['mean']:+.3f} ± {d['se']:.3f}"
+        return None if d is None else f"{d['diff']:+.3f} ± {d['se']:.3f}"
 
     return (f"\nPaired over {what}: each head against itself after the chunk measured before, and eagle3 against "
-            "griffin3 after the same chunk (mean of per-prompt differences ± its standard error).\n\n"
+            "griffin3 after the same chunk (difference of the two τ ± its standard error, paired per prompt).\n\n"
             + markdown_table(["after chunk", "eagle3 − the chunk before", "griffin3 − the chunk before",
                               "eagle3 − griffin3", "files"],
                              [[r["chunk"], cell(r.get("eagle3_step")), cell(r.get("griffin3_step")), cell(r.get("gap")),
@@ -182,10 +184,12 @@ def table() -> None:
     paired80, paired160 = paired_rows(files, 80), paired_rows(files, 160)
     text = ("# τ against tokens seen: the shipped heads' lineages and the EAGLE-3 generation\n\n"
             "Offline τ (`inference.tau`) on the fixed 24-node tree (depth 5, top-k 8), MT-Bench T=0, the first 40 "
-            "questions (80 prompts), ± the standard error over prompts. `griffin` and `eagle2`: the shipped heads' "
-            "lineages (their stage-1 heads up to 18 chunks), measured in one run from the versions committed along "
-            "the way ([shipped-curve.md](shipped-curve.md)); `eagle3` and `griffin3`: the recipe's chunk files "
-            "here. Slope: least squares of τ on ln(tokens) over the points after 1M tokens, per doubling.\n\n"
+            "questions (80 prompts); τ pooled over the prompts, ± its standard error over prompts (delta method; "
+            "recomputed from each file's per-prompt records, so every point uses the same estimator). `griffin` and "
+            "`eagle2`: the shipped heads' lineages (their stage-1 heads up to 18 chunks), measured in one run from "
+            "the versions committed along the way ([shipped-curve.md](shipped-curve.md)); `eagle3` and `griffin3`: "
+            "the recipe's chunk files here. Slope: least squares of τ on ln(tokens) over the points after 1M tokens, "
+            "per doubling.\n\n"
             + markdown_table(["lineage", "fitted points", "τ per doubling", "tokens seen (last)", "τ (last)"], fits)
             + "\n" + markdown_table(["lineage", "chunks seen", "tokens seen", "τ", "τ per doubling since the point "
                                       "before", "file"], rows)
