@@ -57,6 +57,32 @@ def test_regenerate_answers_only_the_parts_asked_for(tmp_path, tiny_target_dir, 
     assert "generation throughput" in caplog.text
 
 
+def test_regenerate_s_engines_give_each_prompt_its_own_greedy_answer(tmp_path, tiny_target_dir, head_dir):
+    """Our batched plain loop and batched speculation (a fixed tree, so that it drafts) answer every row as
+    transformers' generate answers its prompt alone (fp32), in batches of 3 (sizes 3, 2, 2 for 7 prompts)."""
+    data = write_data(tmp_path / "d.json", conversations(7, words=6))
+    runs = {"generate": ["--batch-size", "1"], "plain": ["--batch-size", "3"],
+            "speculative": ["--batch-size", "3", "--draft", str(head_dir), "--total-tokens", "4"]}
+    answers = {}
+    for engine, extra in runs.items():
+        out = tmp_path / engine
+        code, err = run_main("training.regenerate", "--target", str(tiny_target_dir), "--data", data, "--out",
+                             str(out), "--max-new-tokens", "12", "--part-size", "7", "--engine", engine, *extra)
+        assert code == 0, err
+        lines = [json.loads(x) for x in (out / "conversations.jsonl").read_text().splitlines()]
+        answers[engine] = {r["id"]: r["conversations"][-1]["value"] for r in lines}
+    assert len(answers["generate"]) == 7 and len(set(answers["generate"].values())) > 1
+    assert answers["plain"] == answers["generate"] and answers["speculative"] == answers["generate"]
+
+
+def test_even_batches_keep_the_order_and_differ_in_size_by_one_at_most():
+    from training.regenerate import even_batches
+
+    assert even_batches(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert [len(b) for b in even_batches(list(range(190)), 16)] == [16] * 10 + [15] * 2
+    assert even_batches(list(range(4)), 16) == [[0, 1, 2, 3]] and even_batches([], 16) == []
+
+
 @pytest.fixture(autouse=True)
 def not_stopping():
     """A test whose run stops (``stop_steps``) leaves STOPPING set until the next ``run``: the scheduler's own tests
@@ -346,7 +372,7 @@ def test_a_chunk_built_ahead_records_its_precision_and_a_chunk_not_built_shows_n
 
 def test_finished_regeneration_parts_are_committed_and_spare_a_fresh_machine_their_answers(tmp_path, monkeypatch):
     ckpt, work = tmp_path / "ckpt", tmp_path / "work"
-    args = Namespace(checkpoints=str(ckpt), work=str(work), dtype="fp32", regen_batch=2)
+    args = Namespace(checkpoints=str(ckpt), work=str(work), dtype="fp32", regen_batch=2, regen_engine="plain")
     cfg = {"generation": 2, "chunk_shards": 2, "shards": 4, "chunks": 4, "stage_ends": [4, 4, 4], "shard_records": 4,
            "target": "t", "data": "d", "regen_new_tokens": 4,
            "regen_records": 8}  # chunk 1: group 0 (parts 0-1), 3: group 1

@@ -6,14 +6,18 @@ target (greedy by default) and writes ShareGPT-format JSON Lines that ``training
 
     python -m training.regenerate --out data/regen --max-samples 6000 --dtype bf16
     python -m training.regenerate --out data/regen --parts 8:16 --dtype bf16     # only parts 8..15 (records 2048..)
+    python -m training.regenerate --out data/regen --engine plain                # our batched plain loop
     python -m training.regenerate --out data/regen --engine speculative          # our engine with the shipped head
 
 Work is written in parts of ``--part-size`` source records (part i answers records [i*S, (i+1)*S); each renamed
 into place when complete, after ``part-XXXXX.json``, its seconds and tokens); a rerun resumes. The merged file
 is ``OUT/conversations.jsonl`` (not written with ``--parts``).
 ``--engine generate`` answers ``--batch-size`` prompts per transformers ``generate`` call (left-padded, optionally with
-a static KV cache); ``--engine speculative`` answers one prompt at a time with :class:`griffin.SpecGenerator` (greedy
-only: the same tokens as ``generate`` on one prompt). The log ends with the generation throughput in new tokens/s
+a static KV cache, every row padded to the batch's longest answer); ``--engine plain`` through our batched plain
+loop (:func:`griffin.batch.decode_rows`: preallocated KV, each prompt prefilled alone, a finished row leaves the
+batch); ``--engine speculative`` per batched :class:`griffin.SpecGenerator` call (greedy only), whose tree the tuner
+sizes for the batch, down to that plain loop where no tree pays. Greedy rows of our engines are each the tokens of
+``generate`` on that prompt alone. The log ends with the generation throughput in new tokens/s
 (``benchmarks/results/pipeline-throughput.md`` compares the settings on one machine).
 """
 
@@ -28,7 +32,7 @@ from itertools import islice
 from pathlib import Path
 
 from griffin.chat_template import render, set_chat_template
-from griffin.cli import run_cli
+from griffin.cli import add_tree_arguments, run_cli
 from griffin.constants import EMBEDDED_TARGET
 from griffin.hub import model_argument
 from griffin.io import atomic_write, atomic_write_text
@@ -68,11 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat-template", default=None)
     p.add_argument("--shard", default="0/1", help="i/n: this process answers parts i, i+n, ... (run n processes)")
     p.add_argument("--parts", default=None, help="START:END: answer only parts START..END-1")
-    p.add_argument("--engine", default="generate", choices=["generate", "speculative"])
+    p.add_argument("--engine", default="generate", choices=["generate", "plain", "speculative"])
     p.add_argument("--cache", default="dynamic", choices=["dynamic", "static"],
                    help="KV cache of transformers generate (--engine generate)")
     p.add_argument("--draft", default=None, type=model_argument("draft head"),
                    help="head of --engine speculative (default: the shipped one)")
+    add_tree_arguments(p)
     args = p.parse_args(argv)
     try:
         start, end = (args.parts or "0:").split(":")
@@ -98,6 +103,15 @@ def first_turn(record) -> list[dict[str, str]]:
     return messages[: start + 1]
 
 
+def even_batches(items: list[int], most: int) -> list[list[int]]:
+    """``items`` in order, in the fewest batches of at most ``most``, whose sizes differ by one at most (the batched
+    engine tunes its tree once per batch size on a machine: a part's batches then take one or two sizes)."""
+    count = -(-len(items) // most)
+    size, extra = divmod(len(items), count) if count else (0, 0)
+    cuts = [k * size + min(k, extra) for k in range(count + 1)]
+    return [items[cuts[k] : cuts[k + 1]] for k in range(count)]
+
+
 def answer(model, tokenizer, prompts: list[list[dict]], args, generator_seed: int) -> tuple[list[str], int]:
     """-> the answers and the number of tokens generated (each up to and including its end-of-sequence token)."""
     import torch
@@ -118,12 +132,27 @@ def answer(model, tokenizer, prompts: list[list[dict]], args, generator_seed: in
 
 
 def answer_speculative(gen, prompts: list[list[dict]], args) -> tuple[list[str], int]:
-    texts, count = [], 0
-    for messages in prompts:
-        out = gen.generate(gen.encode(messages), max_new_tokens=args.max_new_tokens)
-        texts.append(out.text)
-        count += out.stats.new_tokens
-    return texts, count
+    out = gen.generate([gen.encode(m) for m in prompts], max_new_tokens=args.max_new_tokens)
+    return out.texts, sum(len(t) for t in out.tokens)
+
+
+def answer_plain(backend, tokenizer, prompts: list[list[dict]], args, generator_seed: int) -> tuple[list[str], int]:
+    import torch
+
+    from griffin.batch import decode_rows
+    from griffin.decode import GenerationStats
+    from griffin.sampling import SamplingConfig
+
+    rows = [torch.tensor(tokenizer(render(tokenizer, m, add_generation_prompt=True), add_special_tokens=False)
+                         ["input_ids"], device=backend.device) for m in prompts]
+    generator = None
+    if args.temperature > 0:
+        generator = torch.Generator(device=backend.device).manual_seed(generator_seed)
+    eos = torch.tensor([tokenizer.eos_token_id], device=backend.device)
+    with torch.inference_mode():
+        tokens = decode_rows(backend, None, rows, [args.max_new_tokens] * len(rows),
+                             SamplingConfig(float(args.temperature)), eos, generator, GenerationStats())
+    return tokenizer.batch_decode(tokens, skip_special_tokens=True), sum(len(t) for t in tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,11 +165,24 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_target(args.target, dtype=args.dtype)
     set_chat_template(tokenizer, args.chat_template)
     tokenizer.padding_side = "left"
-    gen = None
     if args.engine == "speculative":
         from griffin import SpecGenerator
 
-        gen = SpecGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer)
+        gen = SpecGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer, total_tokens=args.total_tokens,
+                                            retune=args.retune, lookup=args.lookup)
+
+        def respond(batch: list[list[dict]], seed: int) -> tuple[list[str], int]:
+            return answer_speculative(gen, batch, args)
+    elif args.engine == "plain":
+        from griffin.backend import TargetBackend
+
+        backend = TargetBackend(model)
+
+        def respond(batch: list[list[dict]], seed: int) -> tuple[list[str], int]:
+            return answer_plain(backend, tokenizer, batch, args, seed)
+    else:
+        def respond(batch: list[list[dict]], seed: int) -> tuple[list[str], int]:
+            return answer(model, tokenizer, batch, args, seed)
     first, last = args.part_range
     records = iter_records(args.data, args.max_bad_lines)
     stop = args.max_samples if last is None else min(last * args.part_size, args.max_samples or last * args.part_size)
@@ -165,14 +207,9 @@ def main(argv: list[str] | None = None) -> int:
                     ids.append(str(record.get("id", f"{part}-{j}")))
             order = sorted(range(len(prompts)), key=lambda k: len(prompts[k][-1]["content"]))
             lines = {}
-            for b in range(0, len(order), args.batch_size):
-                batch = order[b : b + args.batch_size]
+            for b, batch in enumerate(even_batches(order, args.batch_size)):
                 t0 = time.perf_counter()
-                if gen is None:
-                    answers, count = answer(model, tokenizer, [prompts[k] for k in batch], args,
-                                            args.seed + part * 1000 + b)
-                else:
-                    answers, count = answer_speculative(gen, [prompts[k] for k in batch], args)
+                answers, count = respond([prompts[k] for k in batch], args.seed + part * 1000 + b)
                 seconds += time.perf_counter() - t0
                 new_tokens += count
                 answered += len(batch)

@@ -4,13 +4,13 @@
     python -m training.throughput --only regeneration  # measure one section, keep the other rows of the file
 
 Regenerates answers to the first turns of ``--regen-prompts`` records with each setting of ``REGEN_SETTINGS``
-(``training.regenerate``: transformers ``generate`` in fp32 and bf16, larger batches, a static KV cache, and our
-speculative engine with the shipped head) at 1 and 2 threads; builds a small feature store with each compute dtype
-(``training.build_features``); and trains a GRIFFIN head for a few updates with K=1 and K=3 passes, with and without
-bf16 autocast (``training.train``). Each runs in its own process as a user would run it, one after another. Writes
-``benchmarks/results/pipeline-throughput.json`` and a markdown table beside it: new tokens/s of regeneration, target
-forward tokens/s, disk bytes per token, training tokens/s, and the hours one epoch over a store of ``--plan-tokens``
-tokens would take. Sections not measured (``--only``) keep the rows the file already holds.
+(``training.regenerate``: transformers ``generate`` in fp32 and bf16, larger batches, a static KV cache; our batched
+plain loop; our speculative engine with the shipped head) at 1 and 2 threads; builds a small feature store with each
+compute dtype (``training.build_features``); and trains a GRIFFIN head for a few updates with K=1 and K=3 passes, with
+and without bf16 autocast (``training.train``). Each runs in its own process as a user would run it, one after another.
+Writes ``benchmarks/results/pipeline-throughput.json`` and a markdown table beside it: new tokens/s of regeneration,
+target forward tokens/s, disk bytes per token, training tokens/s, and the hours one epoch over a store of
+``--plan-tokens`` tokens would take. Sections not measured (``--only``) keep the rows the file already holds.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ REGEN_SETTINGS = [  # (engine, dtype, batch size, KV cache); the first is regene
     ("generate", "bf16", 16, "dynamic"),
     ("generate", "bf16", 48, "dynamic"),
     ("generate", "bf16", 48, "static"),
-    ("speculative", "bf16", 1, "dynamic"),
+    ("plain", "bf16", 16, "preallocated"),
+    ("plain", "bf16", 32, "preallocated"),
+    ("speculative", "bf16", 1, "preallocated"),
 ]
 
 
@@ -82,9 +84,10 @@ def run(module: str, *argv: str, threads: int | None = None) -> subprocess.Compl
 
 def measure_regeneration(args, work: Path, engine: str, dtype: str, batch: int, cache: str, threads: int) -> dict:
     out = work / f"regen-{engine}-{dtype}-{batch}-{cache}-{threads}"
+    kv = ["--cache", cache] if engine == "generate" else []  # our engines preallocate their KV buffers
     res = run("training.regenerate", "--target", args.target, "--data", args.data, "--out", str(out),
               "--max-samples", str(args.regen_prompts), "--max-new-tokens", str(args.regen_new_tokens),
-              "--batch-size", str(batch), "--dtype", dtype, "--engine", engine, "--cache", cache, threads=threads)
+              "--batch-size", str(batch), "--dtype", dtype, "--engine", engine, *kv, threads=threads)
     match = REGEN_LINE.search(res.stderr)
     if match is None:
         raise RuntimeError(f"regenerate printed no throughput line:\n{res.stderr[-2000:]}")

