@@ -75,6 +75,18 @@ def test_regenerate_s_engines_give_each_prompt_its_own_greedy_answer(tmp_path, t
     assert answers["plain"] == answers["generate"] and answers["speculative"] == answers["generate"]
 
 
+def test_regenerate_s_plain_loop_refuses_a_sliding_window_it_would_cross(tmp_path, smol_tokenizer):
+    from tests.conftest import tiny_model
+
+    target = tmp_path / "mistral"
+    tiny_model("mistral", vocab_size=len(smol_tokenizer), hidden=32, sliding_window=8).save_pretrained(target)
+    smol_tokenizer.save_pretrained(target)
+    data = write_data(tmp_path / "d.json", conversations(2, words=6))
+    code, err = run_main("training.regenerate", "--target", str(target), "--data", data, "--out",
+                         str(tmp_path / "out"), "--max-new-tokens", "4", "--engine", "plain")
+    assert code == 2 and "sliding-window" in err and "--engine generate" in err
+
+
 def test_even_batches_keep_the_order_and_differ_in_size_by_one_at_most():
     from training.regenerate import even_batches
 

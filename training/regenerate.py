@@ -141,16 +141,26 @@ def answer_plain(backend, tokenizer, prompts: list[list[dict]], args, generator_
 
     from griffin.batch import decode_rows
     from griffin.decode import GenerationStats
+    from griffin.family import attention_windows
+    from griffin.generator import context_window
     from griffin.sampling import SamplingConfig
 
     rows = [torch.tensor(tokenizer(render(tokenizer, m, add_generation_prompt=True), add_special_tokens=False)
                          ["input_ids"], device=backend.device) for m in prompts]
+    window = context_window(backend.model)  # answers stop there, as the engine's do
+    if window is not None and max(len(r) for r in rows) >= window:
+        raise ValueError(f"a prompt fills the target's context window ({window} tokens): lower --max-prompt-len")
+    budgets = [args.max_new_tokens if window is None else min(args.max_new_tokens, window - len(r)) for r in rows]
+    longest = max(len(r) + n for r, n in zip(rows, budgets, strict=True))
+    if any(w is not None and w <= longest for w in attention_windows(backend.model.config)):
+        raise ValueError("the batched plain loop does not batch this target's sliding-window layers yet: regenerate "
+                         "with --engine generate")
     generator = None
     if args.temperature > 0:
         generator = torch.Generator(device=backend.device).manual_seed(generator_seed)
     eos = torch.tensor([tokenizer.eos_token_id], device=backend.device)
     with torch.inference_mode():
-        tokens = decode_rows(backend, None, rows, [args.max_new_tokens] * len(rows),
+        tokens = decode_rows(backend, None, rows, budgets,
                              SamplingConfig(float(args.temperature)), eos, generator, GenerationStats())
     return tokenizer.batch_decode(tokens, skip_special_tokens=True), sum(len(t) for t in tokens)
 
@@ -175,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
             return answer_speculative(gen, batch, args)
     elif args.engine == "plain":
         from griffin.backend import TargetBackend
+        from griffin.family import check_target
 
+        check_target(model)  # refuses, with the reason, a target whose cached passes would not give its own logits
         backend = TargetBackend(model)
 
         def respond(batch: list[list[dict]], seed: int) -> tuple[list[str], int]:
