@@ -16,8 +16,9 @@ is ``OUT/conversations.jsonl`` (not written with ``--parts``).
 a static KV cache, every row padded to the batch's longest answer); ``--engine plain`` through our batched plain
 loop (:func:`griffin.batch.decode_rows`: preallocated KV, each prompt prefilled alone, a finished row leaves the
 batch); ``--engine speculative`` per batched :class:`griffin.SpecGenerator` call (greedy only), whose tree the tuner
-sizes for the batch, down to that plain loop where no tree pays. Greedy rows of our engines are each the tokens of
-``generate`` on that prompt alone. The log ends with the generation throughput in new tokens/s
+sizes for the batch, down to that plain loop where no tree pays (``--total-tokens``, ``--retune``, ``--lookup``). In
+fp32, greedy rows of our engines are each the tokens of ``generate`` on that prompt alone; in bf16 any engine's rows
+depend on their batch (bf16 sums in another order). The log ends with the generation throughput in new tokens/s
 (``benchmarks/results/pipeline-throughput.md`` compares the settings on one machine).
 """
 
