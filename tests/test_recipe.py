@@ -218,9 +218,10 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     assert [set(t["train_threads"].values()) for t in state["timings"]] == [{1}, {2}, {2}, {2}]
     assert [sorted(t["train_threads"]) for t in state["timings"]] == [sorted(t["train_s"]) for t in state["timings"]]
     assert [t["data_threads"] for t in state["timings"]] == [1, 2, 2, 2]
-    labelled = [len(t["train_s"]) + ("features_s" in t) + ("regenerate_s" in t) for t in state["timings"][1:]]
+    labelled = [len(t["train_s"]) + ("features_s" in t) for t in state["timings"][1:]]
     card = (ckpt / "README.md").read_text()
-    assert card.count(" (2 threads)") == sum(labelled)
+    answered = sum("regenerate_s" in t for t in state["timings"][1:])  # their cells name the engine too
+    assert card.count(" (2 threads)") == sum(labelled) and card.count(" (2 threads, plain)") == answered >= 1
     assert f"| {state['timings'][2]['features_s']} (2 threads) |" in card  # chunk 2's features, built by this run
     # on the fresh machine the fixed set's features came from the committed records, and every point was scored
     assert [a[a.index("--data") + 1] for m, a in calls if m == "training.build_features" and "--shards" not in a
@@ -379,6 +380,9 @@ def test_a_chunk_built_ahead_records_its_precision_and_a_chunk_not_built_shows_n
     table = progress.progress_markdown(cfg, state)
     assert "| 0 | sharegpt | 1 | - | - | bf16 | - | 10 |" in table  # a row from before threads were recorded: one
     assert "| 1 | regen | 1 | - | - | fp32 | - | 7 (2 threads) |" in table
+    rows[1].update(regenerate_s=40, regen_engines=["generate", "plain"])
+    table = progress.progress_markdown(cfg, state)
+    assert "| 1 | regen | 1 | - | - | fp32 | 40 (2 threads, generate, plain) | 7 (2 threads) |" in table
     assert "| 3 | regen | 1 | - | - | - | - | - |" in table
 
 
@@ -406,7 +410,8 @@ def test_finished_regeneration_parts_are_committed_and_spare_a_fresh_machine_the
         asked.append(sorted(p.name for p in out.glob("part-*.jsonl")))
         for part in range(*map(int, parts.split(":"))):
             if not (out / f"part-{part:05d}.jsonl").is_file():
-                (out / f"part-{part:05d}.json").write_text('{"seconds": 300.3}\n')
+                engine = argv[argv.index("--engine") + 1]
+                (out / f"part-{part:05d}.json").write_text(json.dumps({"seconds": 300.3, "engine": engine}) + "\n")
                 (out / f"part-{part:05d}.jsonl").write_text(f"answers {part}\n")
         return 1.0
 
@@ -415,10 +420,11 @@ def test_finished_regeneration_parts_are_committed_and_spare_a_fresh_machine_the
     merged = steps.regenerated(args, cfg, 3, range(2, 4), 8, timing)
     assert asked == [["part-00002.jsonl"]]  # the committed part was there before the regeneration began
     assert merged.read_text() == "answers 2\nanswers 3\n" == steps.answers_file(args, 3).read_text()
-    assert timing == {"regenerate_s": 801}  # both parts' own seconds, not the 1 s of the run that ended the chunk
+    # both parts' own seconds, not the 1 s of the run that ended the chunk; part 2's cost predates engines: generate
+    assert timing == {"regenerate_s": 801, "regen_engines": ["generate", "plain"]}
     # a run that stopped after the answers, before their seconds were saved: the next one finds them in the parts
     assert steps.regenerated(args, cfg, 3, range(2, 4), 8) == merged and len(asked) == 1
-    assert steps.answered_seconds(args, cfg, range(2, 4), 8) == 801
+    assert steps.answered_cost(args, cfg, range(2, 4), 8)["regenerate_s"] == 801
     assert not steps.answers_part(args, 2).exists()  # the merged answers stand for it
     assert not (ckpt / steps.ANSWERS / "part-00002.json").exists()
     steps.keep_parts(args, cfg, state)  # chunk 3's answers are committed merged: its parts are not kept again

@@ -10,7 +10,7 @@ target (greedy by default) and writes ShareGPT-format JSON Lines that ``training
     python -m training.regenerate --out data/regen --engine speculative          # our engine with the shipped head
 
 Work is written in parts of ``--part-size`` source records (part i answers records [i*S, (i+1)*S); each renamed
-into place when complete, after ``part-XXXXX.json``, its seconds and tokens); a rerun resumes. The merged file
+into place when complete, after ``part-XXXXX.json``, its seconds, tokens and engine); a rerun resumes. The merged file
 is ``OUT/conversations.jsonl`` (not written with ``--parts``).
 ``--engine generate`` answers ``--batch-size`` prompts per transformers ``generate`` call (left-padded, optionally with
 a static KV cache, every row padded to the batch's longest answer); ``--engine plain`` through our batched plain
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                 bar.set_postfix(new_tokens=new_tokens, tok_s=f"{new_tokens / seconds:.0f}")
             body = "".join(lines[k] + "\n" for k in sorted(lines))
             cost = {"seconds": round(time.perf_counter() - part_start, 1), "prompts": len(prompts),
-                    "new_tokens": new_tokens - part_tokens}
+                    "new_tokens": new_tokens - part_tokens, "engine": args.engine}
             atomic_write_text(part_cost_file(out, part), json.dumps(cost) + "\n")
             atomic_write_text(path, body)
         bar.update(len(chunk))

@@ -114,7 +114,8 @@ def progress_markdown(cfg: dict, state: dict) -> str:
                              f"{t['tokens']:,}" if "tokens" in t else "-",
                              # rows from before --precision (built, no precision): always bf16; not built yet: -
                              t.get("precision", "bf16" if "features_s" in t else "-"),
-                             f"{t['regenerate_s']}{threads(t, 'data')}" if "regenerate_s" in t else "-",
+                             f"{t['regenerate_s']}{threads(t, 'data', t.get('regen_engines', []))}"
+                             if "regenerate_s" in t else "-",
                              f"{t['features_s']}{threads(t, 'data')}" if "features_s" in t else "-",
                              ", ".join(f"{k} {v}{threads(t, k)}" for k, v in t["train_s"].items())]
                             for t in state["timings"]])
@@ -134,11 +135,12 @@ def progress_markdown(cfg: dict, state: dict) -> str:
             f"that built them ahead or reached the chunk.\n\n{times}")
 
 
-def threads(timing: dict, step: str) -> str:
+def threads(timing: dict, step: str, notes: list[str] = ()) -> str:
     """`` (2 threads)`` where the run of ``step`` (a head's training, or ``"data"``: the chunk's regeneration and
-    features) on the chunk had more than one thread, else ``""``."""
+    features) on the chunk had more than one thread, else ``""``; ``notes`` (the regeneration's engines) join it."""
     n = timing.get("data_threads", 1) if step == "data" else timing.get("train_threads", {}).get(step, 1)
-    return f" ({n} threads)" if n > 1 else ""
+    said = ([f"{n} threads"] if n > 1 else []) + list(notes)
+    return f" ({', '.join(said)})" if said else ""
 
 
 def save_state(path: Path, cfg: dict, state: dict) -> None:

@@ -18,7 +18,7 @@ from .progress import STATE, chunk_timing, chunks_done, count_records, load_stat
 from .schedule import Head, all_heads, chunk_source, heads_of, settings, stage_of
 from .scheduler import AHEAD, SLOTS, STOPPING, present_steps, stop_on_signals, stop_steps
 from .steps import (
-    answered_seconds,
+    answered_cost,
     answers_file,
     backfill_fixed_val,
     export,
@@ -102,8 +102,8 @@ def collect_ahead(args, state: dict, cfg: dict, ahead: dict[int, tuple[Future, d
         if future.done() and seconds:
             timing = chunk_timing(state, cfg, chunk)
             timing.update(precision=args.dtype, data_threads=args.threads)
-            for key, value in seconds.items():  # regenerate_s, features_s
-                timing[key] = timing.get(key, 0) + value
+            for key, value in seconds.items():  # regenerate_s, features_s added; regen_engines (a list) replaced
+                timing[key] = value if isinstance(value, list) else timing.get(key, 0) + value
             seconds.clear()
 
 
@@ -207,9 +207,9 @@ def run_chunk(args, cfg: dict, state: dict, path: Path, chunk: int, stop: int, p
     timing["tokens"], timing["conversations"] = manifest["num_tokens"], manifest["num_samples"]
     kind, shards = chunk_source(cfg, chunk)
     records = steps.chunk_records(state, cfg, chunk)
-    answered = answered_seconds(args, cfg, shards, records) if kind == "regen" else None
+    answered = answered_cost(args, cfg, shards, records) if kind == "regen" else None
     if answered is not None:  # the total, not a sum of what each run reported: runs that stopped count once
-        timing["regenerate_s"] = answered
+        timing.update(answered)
     fixed_stores = fixed_val_stores(args, cfg, state, chunk)
     backfill_fixed_val(args, state, fixed_stores)
     save_state(path, cfg, state)

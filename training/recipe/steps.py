@@ -83,20 +83,24 @@ def copy_part(src: Path, dst: Path, part: int) -> None:
             atomic_write_text(name(dst, part), name(src, part).read_text())
 
 
-def answered_seconds(args, cfg: dict, shards: range, records: int) -> int | None:
-    """The seconds the target took to answer a chunk's parts (the first turns of its group's first ``records``
-    records): the sum of their cost files on this machine, whichever run answered them; None where one is missing
-    (parts answered elsewhere, or before costs were recorded)."""
+def answered_cost(args, cfg: dict, shards: range, records: int) -> dict | None:
+    """What the target took to answer a chunk's parts (the first turns of its group's first ``records`` records), from
+    their cost files on this machine, whichever run answered them: ``regenerate_s``, their seconds summed, and
+    ``regen_engines``, the engines that answered them (a cost file without one is from before the recipe chose an
+    engine: transformers ``generate``). None where a cost file is missing (parts answered elsewhere, or before costs
+    were recorded)."""
     parts = min(math.ceil(records / cfg["shard_records"]), len(shards))
     costs = [part_cost_file(Path(args.work) / "regen", i) for i in range(shards.start, shards.start + parts)]
     if not all(c.is_file() for c in costs):
         return None
-    return round(sum(json.loads(c.read_text())["seconds"] for c in costs))
+    costs = [json.loads(c.read_text()) for c in costs]
+    return {"regenerate_s": round(sum(c["seconds"] for c in costs)),
+            "regen_engines": sorted({c.get("engine", "generate") for c in costs})}
 
 
 def regenerated(args, cfg: dict, chunk: int, shards: range, records: int, timing: dict | None = None) -> Path:
     """The target's answers to the first turns of the group's first ``records`` records, as one JSONL file (also
-    copied to ``answers_file``); ``timing["regenerate_s"]`` gets the sum of its parts' seconds (``answered_seconds``),
+    copied to ``answers_file``); ``timing`` gets the sum of its parts' seconds and their engines (``answered_cost``),
     or the seconds of the run here where a part has none. (``run_chunk`` sets the sum again once the chunk is built,
     for answers that a run which then stopped had finished.)"""
     merged, committed = regen_file(args, chunk), answers_file(args, chunk)
@@ -118,9 +122,9 @@ def regenerated(args, cfg: dict, chunk: int, shards: range, records: int, timing
                                    str(args.regen_batch), "--max-new-tokens", str(cfg["regen_new_tokens"]),
                                    "--engine", args.regen_engine)
         if timing is not None:
-            total = answered_seconds(args, cfg, shards, records)
-            if total is not None:  # every part's own seconds, whichever run or machine answered it
-                timing["regenerate_s"] = total
+            cost = answered_cost(args, cfg, shards, records)
+            if cost is not None:  # every part's own seconds, whichever run or machine answered it
+                timing.update(cost)
             else:  # parts answered before their cost was recorded: this run's seconds
                 add_seconds(timing, "regenerate_s", seconds, fresh)
         text = "".join(f.read_text() for f in files)
