@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from griffin.io import atomic_write_json, atomic_write_text
@@ -135,7 +136,7 @@ def progress_markdown(cfg: dict, state: dict) -> str:
             f"that built them ahead or reached the chunk.\n\n{times}")
 
 
-def threads(timing: dict, step: str, notes: list[str] = ()) -> str:
+def threads(timing: dict, step: str, notes: Sequence[str] = ()) -> str:
     """`` (2 threads)`` where the run of ``step`` (a head's training, or ``"data"``: the chunk's regeneration and
     features) on the chunk had more than one thread, else ``""``; ``notes`` (the regeneration's engines) join it."""
     n = timing.get("data_threads", 1) if step == "data" else timing.get("train_threads", {}).get(step, 1)
