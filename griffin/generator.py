@@ -28,7 +28,7 @@ from .decode import GenerationStats, decode
 from .draft import DraftModel
 from .draft_lm import DraftLM, load_draft_lm
 from .drafters import DraftLMDrafter, HeadDrafter, NoDraft, PromptLookup
-from .family import attention_windows, check_target
+from .family import check_target, window_crossed
 from .hub import hub_id, resolve
 from .kv_cache import BufferCache
 from .sampling import SamplingConfig
@@ -418,7 +418,7 @@ class SpecGenerator:
         check_target(self.target)
         sampling = SamplingConfig(float(temperature), float(top_p), int(top_k))
         ids = self.encode(inputs)
-        max_new_tokens = self._budget(ids, max_new_tokens, max_length)
+        max_new_tokens = token_budget(self.target, ids.shape[0], max_new_tokens, max_length)
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=self.device)
@@ -428,24 +428,6 @@ class SpecGenerator:
                 generator.manual_seed(int(seed))
         self.tune_for(sampling.temperature)
         return ids, max_new_tokens, sampling, generator
-
-    def _budget(self, ids: torch.Tensor, max_new_tokens: int, max_length: int | None) -> int:
-        """The new tokens a prompt may get under ``max_length`` and the target's context window."""
-        if max_length is not None:
-            if ids.shape[0] >= max_length:
-                raise ValueError(f"the prompt has {ids.shape[0]} tokens, which leaves no room under max_length="
-                                 f"{max_length}: raise max_length or shorten the prompt")
-            max_new_tokens = min(max_new_tokens, max_length - ids.shape[0])
-        window = context_window(self.target)
-        if window is not None:
-            if ids.shape[0] >= window:
-                raise ValueError(f"the prompt has {ids.shape[0]} tokens but the target's context window is {window} "
-                                 "tokens: shorten the prompt")
-            if ids.shape[0] + max_new_tokens > window:
-                log.warning("generation stops at the target's context window (%d tokens): at most %d new tokens",
-                            window, window - ids.shape[0])
-                max_new_tokens = window - ids.shape[0]
-        return max_new_tokens
 
     @one_thread_at_a_time
     def generate(self, inputs, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
@@ -489,7 +471,7 @@ class SpecGenerator:
                                  max_length=max_length, seed=seed)
         check_target(self.target)
         sampling = SamplingConfig(float(temperature), float(top_p), int(top_k))
-        budgets = [self._budget(ids, max_new_tokens, max_length) for ids in rows]
+        budgets = [token_budget(self.target, ids.shape[0], max_new_tokens, max_length) for ids in rows]
         generator = None
         if not sampling.greedy:
             generator = torch.Generator(device=self.device)
@@ -509,7 +491,7 @@ class SpecGenerator:
                 depth = max(depth, *(s.depth for s in policy.trees))
                 total = max(total, *(s.total_tokens for s in policy.trees))
             longest = max(ids.shape[0] + n for ids, n in zip(rows, budgets, strict=True))
-            if any(w is not None and w < longest + total + 1 for w in attention_windows(self.target.config)):
+            if window_crossed(self.target.config, longest + total + 1):
                 raise ValueError("this target's sliding-window layers are not batched yet: generate one prompt at a "
                                  "time")
             drafter = None
@@ -635,6 +617,26 @@ def context_window(model) -> int | None:
     """The longest sequence the target was built for (``max_position_embeddings``), if its config says."""
     window = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     return window if isinstance(window, int) and window > 0 else None
+
+
+def token_budget(model, prompt_len: int, max_new_tokens: int, max_length: int | None = None) -> int:
+    """The new tokens a prompt of ``prompt_len`` tokens may get under ``max_length`` and the target's context
+    window."""
+    if max_length is not None:
+        if prompt_len >= max_length:
+            raise ValueError(f"the prompt has {prompt_len} tokens, which leaves no room under max_length="
+                             f"{max_length}: raise max_length or shorten the prompt")
+        max_new_tokens = min(max_new_tokens, max_length - prompt_len)
+    window = context_window(model)
+    if window is not None:
+        if prompt_len >= window:
+            raise ValueError(f"the prompt has {prompt_len} tokens but the target's context window is {window} "
+                             "tokens: shorten the prompt")
+        if prompt_len + max_new_tokens > window:
+            log.warning("generation stops at the target's context window (%d tokens): at most %d new tokens",
+                        window, window - prompt_len)
+            max_new_tokens = window - prompt_len
+    return max_new_tokens
 
 
 def local_tokenizer(model: PreTrainedModel) -> PreTrainedTokenizerBase:

@@ -32,7 +32,7 @@ import time
 from itertools import islice
 from pathlib import Path
 
-from griffin.chat_template import render, set_chat_template
+from griffin.chat_template import prompt_ids, render, set_chat_template
 from griffin.cli import add_tree_arguments, run_cli
 from griffin.constants import EMBEDDED_TARGET
 from griffin.hub import model_argument
@@ -132,28 +132,22 @@ def answer(model, tokenizer, prompts: list[list[dict]], args, generator_seed: in
     return tokenizer.batch_decode(new, skip_special_tokens=True), int(lengths.sum())
 
 
-def answer_speculative(gen, prompts: list[list[dict]], args) -> tuple[list[str], int]:
-    out = gen.generate([gen.encode(m) for m in prompts], max_new_tokens=args.max_new_tokens)
+def answer_speculative(gen, rows: list[list[int]], args) -> tuple[list[str], int]:
+    out = gen.generate(rows, max_new_tokens=args.max_new_tokens)
     return out.texts, sum(len(t) for t in out.tokens)
 
 
-def answer_plain(backend, tokenizer, prompts: list[list[dict]], args, generator_seed: int) -> tuple[list[str], int]:
+def answer_plain(backend, tokenizer, rows: list[list[int]], args, generator_seed: int) -> tuple[list[str], int]:
     import torch
 
     from griffin.batch import decode_rows
     from griffin.decode import GenerationStats
-    from griffin.family import attention_windows
-    from griffin.generator import context_window
+    from griffin.family import window_crossed
+    from griffin.generator import token_budget
     from griffin.sampling import SamplingConfig
 
-    rows = [torch.tensor(tokenizer(render(tokenizer, m, add_generation_prompt=True), add_special_tokens=False)
-                         ["input_ids"], device=backend.device) for m in prompts]
-    window = context_window(backend.model)  # answers stop there, as the engine's do
-    if window is not None and max(len(r) for r in rows) >= window:
-        raise ValueError(f"a prompt fills the target's context window ({window} tokens): lower --max-prompt-len")
-    budgets = [args.max_new_tokens if window is None else min(args.max_new_tokens, window - len(r)) for r in rows]
-    longest = max(len(r) + n for r, n in zip(rows, budgets, strict=True))
-    if any(w is not None and w <= longest for w in attention_windows(backend.model.config)):
+    budgets = [token_budget(backend.model, len(r), args.max_new_tokens) for r in rows]  # as the engine's rows
+    if window_crossed(backend.model.config, max(len(r) + n for r, n in zip(rows, budgets, strict=True)) + 1):
         raise ValueError("the batched plain loop does not batch this target's sliding-window layers yet: regenerate "
                          "with --engine generate")
     generator = None
@@ -161,7 +155,7 @@ def answer_plain(backend, tokenizer, prompts: list[list[dict]], args, generator_
         generator = torch.Generator(device=backend.device).manual_seed(generator_seed)
     eos = torch.tensor([tokenizer.eos_token_id], device=backend.device)
     with torch.inference_mode():
-        tokens = decode_rows(backend, None, rows, budgets,
+        tokens = decode_rows(backend, None, [torch.tensor(r, device=backend.device) for r in rows], budgets,
                              SamplingConfig(float(args.temperature)), eos, generator, GenerationStats())
     return tokenizer.batch_decode(tokens, skip_special_tokens=True), sum(len(t) for t in tokens)
 
@@ -182,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         gen = SpecGenerator.from_pretrained(model, args.draft, tokenizer=tokenizer, total_tokens=args.total_tokens,
                                             retune=args.retune, lookup=args.lookup)
 
-        def respond(batch: list[list[dict]], seed: int) -> tuple[list[str], int]:
-            return answer_speculative(gen, batch, args)
+        def respond(batch: list[list[dict]], rows: list[list[int]], seed: int) -> tuple[list[str], int]:
+            return answer_speculative(gen, rows, args)
     elif args.engine == "plain":
         from griffin.backend import TargetBackend
         from griffin.family import check_target
@@ -191,10 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         check_target(model)  # refuses, with the reason, a target whose cached passes would not give its own logits
         backend = TargetBackend(model)
 
-        def respond(batch: list[list[dict]], seed: int) -> tuple[list[str], int]:
-            return answer_plain(backend, tokenizer, batch, args, seed)
+        def respond(batch: list[list[dict]], rows: list[list[int]], seed: int) -> tuple[list[str], int]:
+            return answer_plain(backend, tokenizer, rows, args, seed)
     else:
-        def respond(batch: list[list[dict]], seed: int) -> tuple[list[str], int]:
+        def respond(batch: list[list[dict]], rows: list[list[int]], seed: int) -> tuple[list[str], int]:
             return answer(model, tokenizer, batch, args, seed)
     first, last = args.part_range
     records = iter_records(args.data, args.max_bad_lines)
@@ -208,21 +202,23 @@ def main(argv: list[str] | None = None) -> int:
         path = part_file(out, part)
         if part >= first and part % args.num_shards == args.shard_index and not path.is_file():
             part_start, part_tokens = time.perf_counter(), new_tokens
-            prompts, ids = [], []
+            prompts, tokens, ids = [], [], []
             for j, record in enumerate(chunk):
                 try:
                     messages = first_turn(record)
                 except BadConversation:
                     continue
-                n = len(tokenizer(render(tokenizer, messages, True), add_special_tokens=False)["input_ids"])
-                if n <= args.max_prompt_len:
+                encoded = prompt_ids(tokenizer, messages)
+                if len(encoded) <= args.max_prompt_len:
                     prompts.append(messages)
+                    tokens.append(encoded)
                     ids.append(str(record.get("id", f"{part}-{j}")))
             order = sorted(range(len(prompts)), key=lambda k: len(prompts[k][-1]["content"]))
             lines = {}
             for b, batch in enumerate(even_batches(order, args.batch_size)):
                 t0 = time.perf_counter()
-                answers, count = respond([prompts[k] for k in batch], args.seed + part * 1000 + b)
+                answers, count = respond([prompts[k] for k in batch], [tokens[k] for k in batch],
+                                         args.seed + part * 1000 + b)
                 seconds += time.perf_counter() - t0
                 new_tokens += count
                 answered += len(batch)
