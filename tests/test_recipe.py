@@ -386,6 +386,38 @@ def test_a_chunk_built_ahead_records_its_precision_and_a_chunk_not_built_shows_n
     assert "| 3 | regen | 1 | - | - | - | - | - |" in table
 
 
+def test_a_build_ahead_replaces_a_lost_machines_seconds_and_adds_to_a_resumed_steps(monkeypatch):
+    """A data build that ran ahead updates its chunk's row as a build of the present chunk does (``add_seconds``): a
+    step that started afresh (its work was lost with another machine) replaces the row's seconds, a step resumed on
+    this machine adds to them; a build that found its data done leaves the row, and the run's precision, alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(scheduler, "FREE", free(slots=2, submitted=0))
+    monkeypatch.setattr(steps, "chunk_records", lambda state, cfg, chunk: 0)
+    fresh = {1: True, 2: False, 3: None}  # None: the store exists, nothing to build
+
+    def build(args, cfg, chunk, costs, records):
+        if fresh[chunk] is not None:
+            progress.add_seconds(costs, "features_s", 500, fresh[chunk])
+
+    monkeypatch.setattr(steps, "build_chunk", build)
+    cfg = {"regen_records": 0, "chunk_shards": 1, "shards": 4, "stage_ends": [4, 4, 4]}
+    rows = [{"chunk": c, "kind": "sharegpt", "stage": 1, "train_s": {}, "precision": "fp32", "features_s": 3159}
+            for c in (1, 2, 3)]
+    state = {"timings": rows}
+    ahead = {}
+    with ThreadPoolExecutor(3) as pool:
+        for chunk in (1, 2, 3):
+            loop.submit_build(None, cfg, state, pool, ahead, chunk, present=0)
+        for future, _ in ahead.values():
+            future.result(30)
+    loop.collect_ahead(Namespace(dtype="bf16", threads=2), state, cfg, ahead)
+    assert [r["features_s"] for r in rows] == [500, 3659, 3159]
+    assert [r["precision"] for r in rows] == ["bf16", "bf16", "fp32"]
+    loop.collect_ahead(Namespace(dtype="bf16", threads=2), state, cfg, ahead)  # collected once only
+    assert [r["features_s"] for r in rows] == [500, 3659, 3159]
+
+
 def test_finished_regeneration_parts_are_committed_and_spare_a_fresh_machine_their_answers(tmp_path, monkeypatch):
     ckpt, work = tmp_path / "ckpt", tmp_path / "work"
     args = Namespace(checkpoints=str(ckpt), work=str(work), dtype="fp32", regen_batch=2, regen_engine="plain")
@@ -675,11 +707,12 @@ def test_a_chunk_built_ahead_after_the_present_ones_kind_starts_once_the_present
     built = []
     monkeypatch.setattr(steps, "build_chunk", lambda args, cfg, chunk, seconds, records: built.append(chunk))
     monkeypatch.setattr(steps, "chunk_records", lambda state, cfg, chunk: 0)
-    cfg = {"regen_records": 1, "chunk_shards": 1, "shards": 2}  # chunks 0, 2: ShareGPT; 1, 3: the target's answers
+    cfg = {"regen_records": 1, "chunk_shards": 1, "shards": 2,  # chunks 0, 2: ShareGPT; 1, 3: the target's answers
+           "stage_ends": [4, 4, 4]}
     ahead = {}
     with ThreadPoolExecutor(4) as pool:
         for chunk in range(4):  # chunk 0 is the present one, 1 to 3 are built ahead
-            loop.submit_build(None, cfg, {}, pool, ahead, chunk, present=0)
+            loop.submit_build(None, cfg, {"timings": []}, pool, ahead, chunk, present=0)
         for chunk in (0, 1, 3):
             ahead[chunk][0].result(30)
         time.sleep(0.3)

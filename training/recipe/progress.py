@@ -66,6 +66,9 @@ def load_state(path: Path, cfg: dict) -> dict:
     return state
 
 
+DATA_COSTS = ("regenerate_s", "regen_engines", "features_s")  # what a chunk's data build writes into its row
+
+
 def add_seconds(timing: dict, key: str, seconds: float, fresh: bool) -> None:
     """A step's seconds into its chunk's row: added to the row's (a step resumed by a later run on this machine), or
     in its place where the step started from nothing (the row's came from a machine whose work was lost)."""
@@ -115,10 +118,10 @@ def progress_markdown(cfg: dict, state: dict) -> str:
                              f"{t['tokens']:,}" if "tokens" in t else "-",
                              # rows from before --precision (built, no precision): always bf16; not built yet: -
                              t.get("precision", "bf16" if "features_s" in t else "-"),
-                             f"{t['regenerate_s']}{threads(t, 'data', t.get('regen_engines', []))}"
+                             f"{t['regenerate_s']}{step_notes(t, 'data', t.get('regen_engines', []))}"
                              if "regenerate_s" in t else "-",
-                             f"{t['features_s']}{threads(t, 'data')}" if "features_s" in t else "-",
-                             ", ".join(f"{k} {v}{threads(t, k)}" for k, v in t["train_s"].items())]
+                             f"{t['features_s']}{step_notes(t, 'data')}" if "features_s" in t else "-",
+                             ", ".join(f"{k} {v}{step_notes(t, k)}" for k, v in t["train_s"].items())]
                             for t in state["timings"]])
     finished = all(chunks_done(state, h) >= cfg["chunks"] for h in final_heads(cfg))
     title = ("# The recipe's heads (complete: `python -m training.recipe --promote` ships them)" if finished
@@ -136,7 +139,7 @@ def progress_markdown(cfg: dict, state: dict) -> str:
             f"that built them ahead or reached the chunk.\n\n{times}")
 
 
-def threads(timing: dict, step: str, notes: Sequence[str] = ()) -> str:
+def step_notes(timing: dict, step: str, notes: Sequence[str] = ()) -> str:
     """`` (2 threads)`` where the run of ``step`` (a head's training, or ``"data"``: the chunk's regeneration and
     features) on the chunk had more than one thread, else ``""``; ``notes`` (the regeneration's engines) join it."""
     n = timing.get("data_threads", 1) if step == "data" else timing.get("train_threads", {}).get(step, 1)

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..store import MANIFEST, StoreError
 from . import publish, scheduler, steps
 from .cli import parse_args
-from .progress import STATE, chunk_timing, chunks_done, count_records, load_state, plan_text, save_state
+from .progress import DATA_COSTS, STATE, chunk_timing, chunks_done, count_records, load_state, plan_text, save_state
 from .schedule import Head, all_heads, chunk_source, heads_of, settings, stage_of
 from .scheduler import AHEAD, SLOTS, STOPPING, present_steps, stop_on_signals, stop_steps
 from .steps import (
@@ -69,12 +69,13 @@ def next_chunk(args, cfg: dict, state: dict, chunk: int, todo: list[Head], stop:
 
 def submit_build(args, cfg: dict, state: dict, pool: ThreadPoolExecutor, ahead: dict[int, tuple[Future, dict]],
                  chunk: int, present: int) -> None:
-    """Build ``chunk``'s data in the pool -> ``ahead[chunk]`` (its build, and the seconds its steps took, which the
-    thread fills and ``collect_ahead`` adds to the chunk's row of timings). It starts after the builds of its kind
+    """Build ``chunk``'s data in the pool -> ``ahead[chunk]`` (its build, and a copy of its row's data costs, which
+    the thread updates and ``collect_ahead`` puts back into the row of timings). It starts after the builds of its kind
     submitted before it (one at a time writes into the shared ShareGPT store), and if one of those is the ``present``
     chunk's, once its training is submitted (``present_steps``): the process its data frees is the present heads'.
     Unless it is the present chunk's, its steps wait while a step of the present waits for a process."""
-    seconds: dict = {}
+    row = chunk_timing(state, cfg, chunk)
+    costs = {key: row[key] for key in DATA_COSTS if key in row}  # the build updates this copy as it would the row
     records = steps.chunk_records(state, cfg, chunk)
     kind = chunk_source(cfg, chunk)[0]
     before = {c: future for c, (future, _) in ahead.items() if chunk_source(cfg, c)[0] == kind}
@@ -87,24 +88,24 @@ def submit_build(args, cfg: dict, state: dict, pool: ThreadPoolExecutor, ahead: 
             SLOTS.wait_for(lambda: STOPPING.is_set() or scheduler.FREE["submitted"] >= gate)
         AHEAD.chunk = chunk if chunk != present else None
         try:
-            return steps.build_chunk(args, cfg, chunk, seconds, records)
+            return steps.build_chunk(args, cfg, chunk, costs, records)
         finally:
             AHEAD.chunk = None
 
-    ahead[chunk] = (pool.submit(build), seconds)
+    ahead[chunk] = (pool.submit(build), costs)
 
 
 def collect_ahead(args, state: dict, cfg: dict, ahead: dict[int, tuple[Future, dict]]) -> None:
-    """Add the seconds of a data build that ran ahead (in this run's precision and threads) to its chunk's row as soon
-    as it is done (so that they are saved even if the run stops before that chunk starts); the build's record keeps
-    nothing to add twice."""
-    for chunk, (future, seconds) in ahead.items():
-        if future.done() and seconds:
+    """Put the costs of a data build that ran ahead into its chunk's row as soon as it is done (so that they are saved
+    even if the run stops before that chunk starts), with this run's precision and threads where the build changed
+    them. The build updated a copy of the row's costs as the row itself is updated (``add_seconds``: a resumed step's
+    seconds added, those of a step that started afresh in place of a lost machine's)."""
+    for chunk, (future, costs) in ahead.items():
+        if future.done() and costs:
             timing = chunk_timing(state, cfg, chunk)
-            timing.update(precision=args.dtype, data_threads=args.threads)
-            for key, value in seconds.items():  # regenerate_s, features_s added; regen_engines (a list) replaced
-                timing[key] = value if isinstance(value, list) else timing.get(key, 0) + value
-            seconds.clear()
+            if any(timing.get(key) != value for key, value in costs.items()):
+                timing.update(costs, precision=args.dtype, data_threads=args.threads)
+            costs.clear()
 
 
 def main(argv: list[str] | None = None) -> int:
