@@ -1,29 +1,73 @@
-"""Progress bars that suit where the output goes: a live bar on a terminal, one line at the start and one at the end
-in a log file (CI, ``nohup``), where a bar would write a line per tick."""
+"""Progress bars that suit where the output goes: a live bar on a terminal; in a log file (CI, ``nohup``), where a bar
+would write a line per tick, one line when it starts, a status line every ``progress.EVERY`` seconds (done, rate,
+time left and the bar's postfix) and one line when it closes."""
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import IO
+from collections.abc import Iterator
+from typing import IO, Any
 
 from tqdm.auto import tqdm
 
 
 class progress(tqdm):  # noqa: N801 - used like tqdm
-    """``tqdm`` that, when its output is not a terminal, writes only a line when it starts and one when it closes
-    (with the seconds taken) instead of a line per tick. Same arguments as ``tqdm``."""
+    """``tqdm`` that, when its output is not a terminal, writes a line when it starts, a status line at most every
+    ``EVERY`` seconds while it advances, and a line when it closes (with the seconds taken), instead of a line per
+    tick. Same arguments as ``tqdm``."""
+
+    EVERY = 300.0  # seconds between two status lines in a log file
 
     def __init__(self, *args, file: IO[str] | None = None, disable: bool = False, **kwargs):
         out = file or sys.stderr
         self.lines = not disable and not (hasattr(out, "isatty") and out.isatty())
+        self.done, self.note = 0.0, ""
         super().__init__(*args, file=out, disable=disable or self.lines, **kwargs)
         self.out, self.started = out, time.perf_counter()
-        self.label = kwargs.get("desc") or "progress"
+        self.said, self.done, self.first = self.started, float(self.n), float(self.n)  # n: tqdm's initial
+        self.label, self.unit_name = kwargs.get("desc") or "progress", kwargs.get("unit", "it")
         if self.lines:
-            total = kwargs.get("total")
-            size = f" ({total:g} {kwargs.get('unit', 'it')})" if isinstance(total, (int, float)) else ""
+            if self.total is None and hasattr(self.iterable, "__len__"):
+                self.total = len(self.iterable)
+            size = f" ({self.total:g} {self.unit_name})" if isinstance(self.total, (int, float)) else ""
             print(f"{self.label}: started{size}", file=out, flush=True)
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self.lines:
+            yield from super().__iter__()
+            return
+        try:
+            for item in self.iterable:  # tqdm's own loop skips update() and close() when disabled
+                yield item
+                self.update(1)
+        finally:
+            self.close()
+
+    def update(self, n: float = 1) -> bool | None:
+        if self.lines:
+            self.done += n
+            now = time.perf_counter()
+            if now - self.said >= self.EVERY:
+                self.said = now
+                print(self.status(now - self.started), file=self.out, flush=True)
+        return super().update(n)
+
+    def set_postfix(self, ordered_dict=None, refresh: bool = True, **kwargs) -> None:
+        self.note = ", ".join(f"{k}={v}" for k, v in {**(ordered_dict or {}), **kwargs}.items())
+        super().set_postfix(ordered_dict, refresh, **kwargs)
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        self.note = s
+        super().set_postfix_str(s, refresh)
+
+    def status(self, elapsed: float) -> str:
+        """``"train: 120/226 upd after 1800 s (0.0667 upd/s, about 1590 s left; loss=...)"``."""
+        rate = (self.done - self.first) / max(elapsed, 1e-9)  # of this run (a resumed bar starts at its initial)
+        done = f"{self.done:g}/{self.total:g}" if self.total else f"{self.done:g}"
+        left = f", about {(self.total - self.done) / rate:.0f} s left" if self.total and rate > 0 else ""
+        note, unit = f"; {self.note}" if self.note else "", self.unit_name
+        return f"{self.label}: {done} {unit} after {elapsed:.0f} s ({rate:.3g} {unit}/s{left}{note})"
 
     def close(self) -> None:
         if self.lines:

@@ -349,6 +349,32 @@ def test_progress_bars_write_a_line_at_start_and_end_in_a_log_file():
     assert "quiet" not in log.getvalue()
 
 
+def test_progress_bars_in_a_log_file_write_a_status_line_every_few_minutes(monkeypatch):
+    """Where a terminal shows a live bar, a log file gets a status line at most every ``progress.EVERY`` seconds: what
+    is done of the total, the rate of this run (a resumed bar starts at its ``initial``), the time left and the
+    postfix; iterating a bar to its end closes it."""
+    import io
+
+    from griffin import progress as module
+
+    clock = iter(range(0, 1000, 100))  # each perf_counter call is 100 s after the one before
+    monkeypatch.setattr(module.time, "perf_counter", lambda: next(clock))
+    log = io.StringIO()
+    items = list(module.progress(range(4), desc="train", unit="upd", file=log, initial=2, total=6))
+    assert items == [0, 1, 2, 3]
+    lines = log.getvalue().splitlines()
+    assert lines[0] == "train: started (6 upd)" and lines[-1] == "train: finished in 500 s"
+    assert len(lines) == 3  # with EVERY at 300 s: one status line among four updates 100 s apart
+    assert lines[1] == "train: 5/6 upd after 300 s (0.01 upd/s, about 100 s left)"
+    log = io.StringIO()
+    monkeypatch.setattr(module.progress, "EVERY", 0.0)
+    bar = module.progress(total=4, desc="features", unit="conv", file=log)
+    bar.set_postfix(tok_s="812")
+    bar.update(2)
+    bar.close()
+    assert "features: 2/4 conv after" in log.getvalue() and "s left; tok_s=812)" in log.getvalue()
+
+
 @pytest.mark.parametrize("batch", [False, True], ids=["one prompt", "batch of 2"])
 def test_a_choice_the_machine_s_load_decided_is_tuned_again_at_the_next_loads_three_times_at_most(
         tmp_path, monkeypatch, caplog, batch):
