@@ -66,11 +66,11 @@ def attention_windows(config) -> list[int | None]:
     return [window if kind == "sliding_attention" else None for kind in layer_types[:layers]]
 
 
-
 def window_crossed(config, positions: int) -> bool:
     """Whether ``positions`` cached positions cross some layer's sliding attention window (the batched rows' cache
     keeps every position, so batches refuse that)."""
     return any(w is not None and w < positions for w in attention_windows(config))
+
 
 def logits_transform(config) -> Callable[[torch.Tensor], torch.Tensor]:
     """The family's step from output-layer logits to the model's logits (identity for most families).

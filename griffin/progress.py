@@ -22,7 +22,7 @@ class progress(tqdm):  # noqa: N801 - used like tqdm
     def __init__(self, *args, file: IO[str] | None = None, disable: bool = False, **kwargs):
         out = file or sys.stderr
         self.lines = not disable and not (hasattr(out, "isatty") and out.isatty())
-        self.done, self.note = 0.0, ""
+        self.note = ""  # tqdm's init may call set_postfix
         super().__init__(*args, file=out, disable=disable or self.lines, **kwargs)
         self.out, self.started = out, time.perf_counter()
         self.said, self.done, self.first = self.started, float(self.n), float(self.n)  # n: tqdm's initial
