@@ -53,6 +53,13 @@ class progress(tqdm):  # noqa: N801 - used like tqdm
                 print(self.status(now - self.started), file=self.out, flush=True)
         return super().update(n)
 
+    def skip(self, n: float) -> None:
+        """Count ``n`` items this run did not work on (done before a resume, or another process's): they advance the
+        bar but not the rate of a status line, whose time left is then that of the work still to do here."""
+        if self.lines:
+            self.first += n
+        self.update(n)
+
     def set_postfix(self, ordered_dict=None, refresh: bool = True, **kwargs) -> None:
         self.note = ", ".join(f"{k}={v}" for k, v in {**(ordered_dict or {}), **kwargs}.items())
         super().set_postfix(ordered_dict, refresh, **kwargs)

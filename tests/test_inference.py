@@ -354,10 +354,11 @@ def test_progress_bars_in_a_log_file_write_a_status_line_every_few_minutes(monke
     is done of the total, the rate of this run (a resumed bar starts at its ``initial``), the time left and the
     postfix; iterating a bar to its end closes it."""
     import io
+    import itertools
 
     from griffin import progress as module
 
-    clock = iter(range(0, 1000, 100))  # each perf_counter call is 100 s after the one before
+    clock = itertools.count(0, 100)  # each perf_counter call is 100 s after the one before
     monkeypatch.setattr(module.time, "perf_counter", lambda: next(clock))
     log = io.StringIO()
     items = list(module.progress(range(4), desc="train", unit="upd", file=log, initial=2, total=6))
@@ -373,6 +374,11 @@ def test_progress_bars_in_a_log_file_write_a_status_line_every_few_minutes(monke
     bar.update(2)
     bar.close()
     assert "features: 2/4 conv after" in log.getvalue() and "s left; tok_s=812)" in log.getvalue()
+    log = io.StringIO()  # records of parts answered before, or by others, count as done but not in the rate
+    bar = module.progress(total=10, desc="regenerate", unit="rec", file=log)
+    bar.skip(6)
+    bar.update(2)
+    assert "regenerate: 8/10 rec after 200 s (0.01 rec/s, about 200 s left)" in log.getvalue()
 
 
 @pytest.mark.parametrize("batch", [False, True], ids=["one prompt", "batch of 2"])

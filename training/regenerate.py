@@ -232,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
                     "new_tokens": new_tokens - part_tokens, "engine": args.engine}
             atomic_write_text(part_cost_file(out, part), json.dumps(cost) + "\n")
             atomic_write_text(path, body)
-        bar.update(len(chunk))
+            bar.update(len(chunk))
+        else:  # another part range, another process's, or answered before a resume
+            bar.skip(len(chunk))
         part += 1
     bar.close()
     if new_tokens:
