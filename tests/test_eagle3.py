@@ -182,6 +182,34 @@ def test_ttt_rollout_equals_an_explicit_draft_chain_per_position(arch, topk):
         assert checked[steps] < checked[1]
 
 
+@pytest.mark.parametrize(("arch", "topk"), [("eagle3", 0), ("griffin3", 30)])
+def test_the_rollouts_own_soft_ce_trains_and_reports_as_the_logits_do(arch, topk):
+    """Scoring the soft-CE inside the rollout, without [N, V] logits (the objective's default for a fused head), gives
+    the losses, counts, hits and gradients of scoring its logits afterwards."""
+    target = tiny_model(vocab_size=60, hidden=32, layers=6)
+    torch.manual_seed(3)
+    draft = DraftModel(DraftConfig.from_target(target.config, arch=arch, draft_vocab_size=45)).attach(target)
+    draft.draft_vocab.copy_(torch.tensor([i for i in range(60) if i % 4]))
+    batch = make_batch(fused_items(target, 3, 14, draft.config.feature_layers, seed=5), fused=True)
+    objective = MultiPassObjective(draft, steps=4, topk=topk, ttt=True)
+    assert objective.soft_ce
+    results = []
+    for soft_ce in (True, False):
+        objective.soft_ce = soft_ce
+        out = objective(batch, generator=torch.Generator().manual_seed(0))
+        loss = (out["loss_sums"] / out["counts"].clamp(min=1) * objective.pass_weights).sum()
+        results.append((out, torch.autograd.grad(loss, list(draft.parameters()), allow_unused=True)))
+    (scored, scored_grads), (logits, logits_grads) = results
+    for key in ("counts", "kept", "top1", "topk"):
+        assert torch.equal(scored[key], logits[key]), key
+    assert (scored["counts"] > 0).all()
+    torch.testing.assert_close(scored["loss_sums"], logits["loss_sums"], rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(scored_grads, logits_grads, strict=True):
+        assert (mine is None) == (theirs is None)
+        if mine is not None:
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
+
+
 def test_ttt_learns_through_its_own_outputs_and_weighs_passes():
     """TTT keeps the gradient of the fed-back features (TAT detaches them); pass i+1 weighs 0.8**i; no feature loss."""
     target = tiny_model(vocab_size=60, hidden=32, layers=6)

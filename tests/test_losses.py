@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from training.losses import NAMES, adaspec_select, kl, make_token_loss, per_token_fkl
+from training import losses
+from training.losses import NAMES, LinearSoftCrossEntropy, adaspec_select, kl, make_token_loss, per_token_fkl
 
 # --- closed forms in float64 Python ------------------------------------------------------------------------------
 
@@ -143,6 +144,30 @@ def test_soft_ce_has_the_gradient_of_forward_kl():
     g_ce, = torch.autograd.grad(make_token_loss("soft-ce")(t, d, mask).sum(), d)
     g_kl, = torch.autograd.grad(make_token_loss("fkl")(t, d, mask).sum(), d)
     torch.testing.assert_close(g_ce, g_kl)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 11])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_linear_soft_ce_in_chunks_equals_soft_ce_over_the_whole_logits(monkeypatch, rows, dtype):
+    """The chunked soft-CE of a linear head (chunks of 4 rows here, the last one short) gives the loss, the top-k and
+    the gradients of the composed form: ``(h Wᵀ).float()`` scored by the token loss, under autocast too."""
+    monkeypatch.setattr(losses, "CHUNK_BITS", 6)  # 64 elements: 4 rows of 16
+    torch.manual_seed(4)
+    weight = torch.randn(16, 8, requires_grad=True)
+    labels = torch.randn(13, 16) * 2
+    index = torch.randint(0, 13, (rows,))
+    hidden, g = torch.randn(rows, 8, requires_grad=True), torch.rand(rows)
+    with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+        loss, top = LinearSoftCrossEntropy.apply(hidden, weight, labels.softmax(-1), index, 3)
+        logits = torch.nn.functional.linear(hidden, weight).float()
+    want = make_token_loss("soft-ce")(labels[index], logits, torch.ones(rows, dtype=torch.bool))
+    tight = {"rtol": 1e-5, "atol": 1e-5} if dtype is None else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(loss, want, **tight)
+    assert torch.equal(top, logits.topk(3, dim=-1).indices)
+    if rows:
+        got = torch.autograd.grad((loss * g).sum(), (hidden, weight))
+        torch.testing.assert_close(got, torch.autograd.grad((want * g).sum(), (hidden, weight)), **tight)
+        assert got[0].dtype == hidden.dtype and got[1].dtype == weight.dtype
 
 
 @pytest.mark.parametrize("name", NAMES)

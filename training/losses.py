@@ -22,6 +22,10 @@ stays exact. Logits of ``-inf`` (a reduced draft vocabulary, a context-vocabular
 is: FKL / soft-CE where ``p > 0 = q``, RKL where ``q > 0 = p``; the trainers mask both distributions with the same
 vocabulary.
 
+A head with its own linear lm_head trained by soft-CE is scored by :class:`LinearSoftCrossEntropy`, which takes the
+head's hidden states and weight instead of its logits and never holds them in fp32 (the loss and its gradient as
+above, chunk by chunk).
+
 AdaSPEC token selection: :func:`per_token_fkl` scores the draft and a frozen reference; :func:`adaspec_select` keeps
 the positions where the draft lags the reference most (``Δ = L_draft − L_ref``).
 """
@@ -81,6 +85,58 @@ class SoftCrossEntropy(torch.autograd.Function):
     def backward(ctx, g: Tensor) -> tuple[Tensor, None]:
         e, s, p, mass = ctx.saved_tensors
         return (e * (g * mass)[:, None].div(s)).addcmul_(p, g[:, None], value=-1.0), None
+
+
+def chunk_rows(vocab: int, device: torch.device) -> int:
+    """Rows per chunk of :class:`LinearSoftCrossEntropy`'s fp32 work: a few MB of [rows, V] temporaries on a CPU,
+    where they stay in cache and the allocator reuses them (a fresh [N, V] tensor costs a page fault per 4 KB);
+    larger on a GPU."""
+    return max(1, (1 << CHUNK_BITS if device.type == "cpu" else 1 << 26) // vocab)
+
+
+CHUNK_BITS = 20
+
+
+class LinearSoftCrossEntropy(torch.autograd.Function):
+    """Soft cross-entropy of a linear head, ``-Σ p log softmax(h Wᵀ)`` per row, and the head's top-``k`` tokens per
+    row. The logits stay in the product's dtype (bf16 under autocast, as ``nn.Linear`` gives them) and only chunks of
+    rows (:func:`chunk_rows`) are ever fp32: the softmax, the loss and the logits' gradient run chunk by chunk, where
+    :class:`SoftCrossEntropy` over ``(h Wᵀ).float()`` allocates and faults in a fresh fp32 [N, V] tensor at each
+    step (benchmarks/results/train-step.md). The logits are finite here (no vocabulary mask).
+
+    hidden [N, H], weight [V, H], probs [M, V] fp32 soft labels (rows of several calls may share them), index [N]
+    rows of ``probs`` -> loss [N] fp32, top-k [N, k] token indices (not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, probs: Tensor, index: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        device = hidden.device
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else hidden.dtype
+        w, h = weight.to(dtype), hidden.to(dtype)
+        logits = h @ w.T  # [N, V] in the product's dtype
+        n, step = logits.shape[0], chunk_rows(logits.shape[1], device)
+        loss = torch.empty(n, device=device)
+        top = torch.empty(n, min(k, logits.shape[1]), dtype=torch.long, device=device)
+        for i in range(0, n, step):
+            x, p = logits[i : i + step].float(), probs[index[i : i + step]]  # [c, V]
+            top[i : i + step] = x.topk(top.shape[1], dim=-1).indices
+            peak = x.amax(-1, keepdim=True)
+            lse = (x - peak).exp_().sum(-1).log_() + peak[:, 0]
+            loss[i : i + step] = lse * p.sum(-1) - (p * x).sum(-1)
+        ctx.save_for_backward(h, w, logits, probs, index)
+        ctx.types = hidden.dtype, weight.dtype
+        ctx.mark_non_differentiable(top)
+        return loss, top
+
+    @staticmethod
+    def backward(ctx, g: Tensor, _top: Tensor | None) -> tuple[Tensor, Tensor, None, None, None]:
+        h, w, logits, probs, index = ctx.saved_tensors
+        grad = torch.empty_like(logits)  # [N, V]: g·(softmax(x)·Σp − p), a chunk at a time in fp32
+        step = chunk_rows(logits.shape[1], logits.device)
+        for i in range(0, logits.shape[0], step):
+            x, p = logits[i : i + step].float(), probs[index[i : i + step]]
+            x = x.sub_(x.amax(-1, keepdim=True)).exp_()
+            grad[i : i + step] = x.mul_((p.sum(-1) / x.sum(-1))[:, None]).sub_(p).mul_(g[i : i + step, None])
+        return (grad @ w).to(ctx.types[0]), (grad.T @ h).to(ctx.types[1]), None, None, None
 
 
 def fkl(log_p: Tensor, log_q: Tensor) -> Tensor:

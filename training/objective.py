@@ -18,7 +18,8 @@ its own earlier steps); here pass ``i+1`` at ``t`` is that step at ``t-i``: the 
 labels (docs/design.md, "Training-time test").
 
 :class:`Rollout` runs the passes and returns, per pass, the draft's logits and features, the kept positions and the
-target's soft labels (:class:`PassOutput`), computed at the kept positions only (pass 1 still attends over every
+target's soft labels (:class:`PassOutput`; or, for a head with its own lm_head trained by soft-CE, that loss itself,
+scored without the [N, V] logits), computed at the kept positions only (pass 1 still attends over every
 position: each is a key of the later passes); :class:`HeadLoss` scores one pass with a token objective of
 ``training.losses`` plus the feature regression; :class:`AdaSpecSelector` narrows the positions a loss trains on.
 :class:`MultiPassObjective` composes them, so a new objective is a new loss or selector, not a new trainer.
@@ -37,7 +38,7 @@ from torch import nn
 
 from griffin.draft import DraftModel
 
-from .losses import TokenLoss, adaspec_select, make_token_loss, per_token_fkl
+from .losses import LinearSoftCrossEntropy, TokenLoss, adaspec_select, make_token_loss, per_token_fkl
 
 
 def chain_attention(q: torch.Tensor, keys0: torch.Tensor, values0: torch.Tensor, chain_keys: torch.Tensor,
@@ -161,17 +162,19 @@ class PassOutput(NamedTuple):
     rollout computes nothing there (a quarter of ShareGPT's positions are not the assistant's, and the alignment mask
     drops more at every later pass)."""
 
-    logits: torch.Tensor  # [N, V] fp32 draft logits, -inf on tokens not proposable at that position and pass
-    target_logits: torch.Tensor  # [N, V] fp32 target logits LM(F_{t+1}), -inf alike (the soft labels' support)
+    logits: torch.Tensor | None  # [N, V] fp32 draft logits, -inf on tokens not proposable there (None: token_loss)
+    target_logits: torch.Tensor | None  # [N, V] fp32 target logits LM(F_{t+1}), -inf alike (the labels' support)
     rows: torch.Tensor  # [N] flat positions b*T + t of the kept positions, ascending
     predict: torch.Tensor  # [N, H]
     regress: torch.Tensor  # [N, H]
     mask: torch.Tensor  # [B, T] 0/1: positions on a branch the draft tree contains (pass 1: the data mask)
     hit1: torch.Tensor  # [B, T] 0/1: the true next token is the draft's top-1 (0 outside the mask)
     hitk: torch.Tensor  # [B, T] 0/1: ... is among its top report_k (0 outside the mask)
+    token_loss: torch.Tensor | None = None  # [N] fp32 soft-CE against the target, when the rollout scored it
 
     def row_of(self, b: int, t: int) -> int | None:
-        """Index into ``logits`` / ``target_logits`` of position (b, t); None if the pass does not keep it."""
+        """Index into ``logits`` / ``target_logits`` / ``token_loss`` of position (b, t); None if the pass does not
+        keep it."""
         flat = b * self.mask.shape[1] + t
         i = int(torch.searchsorted(self.rows, flat))
         return i if i < len(self.rows) and int(self.rows[i]) == flat else None
@@ -239,10 +242,13 @@ class Rollout:
         return features + (u - 0.5) * self.noise * 512 / features.shape[1]
 
     def __call__(self, batch: Batch, vocab: torch.Tensor | None = None, features: torch.Tensor | None = None,
-                 masks: list[torch.Tensor] | None = None) -> list[PassOutput]:
+                 masks: list[torch.Tensor] | None = None, soft_ce: bool = False) -> list[PassOutput]:
         """``vocab``: target ids the head may propose (default: its static draft vocabulary); ``features``: the
         pass-1 input features (default: the batch's, without noise); ``masks``: the kept positions of each pass,
-        instead of this head's own alignment masks (AdaSPEC scores a reference head on the draft's positions)."""
+        instead of this head's own alignment masks (AdaSPEC scores a reference head on the draft's positions).
+        ``soft_ce``: a head with its own lm_head and no context vocabulary scores each pass's soft cross-entropy
+        here (:class:`~training.losses.LinearSoftCrossEntropy`, ``PassOutput.token_loss``) instead of returning its
+        [N, V] logits and labels (None then): the same loss and hits, without the fp32 [N, V] passes."""
         draft = self.draft
         b, t = batch.tokens.shape
         device = batch.tokens.device
@@ -263,6 +269,9 @@ class Rollout:
         seen = None
         if draft.draft_vocab is not None and draft.config.context_vocab:
             seen = first_seen(batch.tokens, batch.valid, to_local, draft.static_vocab().to(device), vocab.shape[0])
+        scored = soft_ce and draft.lm_head is not None and seen is None
+        if scored:
+            probs = F.softmax(target_logits, dim=-1)  # [N1, V], shared by every pass's rows
         features = batch.features if features is None else features
         # TAT: the kept positions, which are also the computed ones; TTT: the chains still alive (in the tree)
         mask = (batch.valid.float() if self.ttt else data_mask) if masks is None else masks[0]
@@ -286,25 +295,30 @@ class Rollout:
                     keys.append(slots.scatter(out.key, t))
                     values.append(slots.scatter(out.value, t))
             predict, regress = out.predict[slots.used], out.regress[slots.used]  # [N, H] in rows order
-            if draft.lm_head is not None:  # the head's own lm_head over its draft vocabulary (fused archs)
-                logits = draft.lm_head(predict).float()  # [N, V]
+            gt_k, logits, labels, token_loss = gt[rows], None, None, None
+            if scored:
+                token_loss, ranked = LinearSoftCrossEntropy.apply(predict, draft.lm_head.weight, probs,
+                                                                  label_row[rows], self.report_k)
             else:
-                logits = draft.logits_transform(F.linear(predict, weight.to(predict.dtype))).float()  # [N, V]
-            labels = target_logits if len(rows) == len(data_rows) else target_logits[label_row[rows]]
-            gt_k = gt[rows]
-            if seen is not None:
-                context_end = (rows % t - (k - 1)).split(torch.bincount(rows // t, minlength=b).tolist())
-                # [N, V]: a conversation at a time, so that seen [B, V] is never copied per position
-                blocked = torch.cat([seen[i] > end[:, None] for i, end in enumerate(context_end)])
-                logits = logits.masked_fill(blocked, -torch.inf)
-                labels = labels.masked_fill(blocked, -torch.inf)
-                gt_k = torch.where(blocked.gather(-1, gt_k.clamp(min=0)[:, None])[:, 0], -1, gt_k)
+                if draft.lm_head is not None:  # the head's own lm_head over its draft vocabulary (fused archs)
+                    logits = draft.lm_head(predict).float()  # [N, V]
+                else:
+                    logits = draft.logits_transform(F.linear(predict, weight.to(predict.dtype))).float()  # [N, V]
+                labels = target_logits if len(rows) == len(data_rows) else target_logits[label_row[rows]]
+                if seen is not None:
+                    context_end = (rows % t - (k - 1)).split(torch.bincount(rows // t, minlength=b).tolist())
+                    # [N, V]: a conversation at a time, so that seen [B, V] is never copied per position
+                    blocked = torch.cat([seen[i] > end[:, None] for i, end in enumerate(context_end)])
+                    logits = logits.masked_fill(blocked, -torch.inf)
+                    labels = labels.masked_fill(blocked, -torch.inf)
+                    gt_k = torch.where(blocked.gather(-1, gt_k.clamp(min=0)[:, None])[:, 0], -1, gt_k)
+                with torch.no_grad():
+                    ranked = logits.topk(min(self.report_k, logits.shape[-1]), dim=-1).indices  # [N, k]
             with torch.no_grad():
-                ranked = logits.topk(min(self.report_k, logits.shape[-1]), dim=-1).indices  # [N, k]
                 hit1 = scatter_rows((ranked[:, 0] == gt_k).float(), rows, mask.shape)
                 hitk = scatter_rows((ranked == gt_k[:, None]).any(-1).float(), rows, mask.shape)
             passes.append(PassOutput(logits, labels, rows, predict, regress, mask * counted if self.ttt else mask,
-                                     hit1, hitk))
+                                     hit1, hitk, token_loss))
             if k < self.steps:
                 aligned = hitk if self.topk else torch.ones_like(hitk)  # topk 0: no token mask (HASS)
                 if masks is not None:
@@ -358,7 +372,8 @@ class HeadLoss:
         mask = out.mask.flatten()[out.rows]  # [N]
         if keep is not None:
             mask = mask * keep.float()
-        loss = self.w_token * self.token_loss(out.target_logits, out.logits, mask)
+        scored = out.token_loss is not None  # the rollout's soft-CE at temperature 1 (finite on every row)
+        loss = self.w_token * (out.token_loss if scored else self.token_loss(out.target_logits, out.logits, mask))
         if self.w_regress:
             loss = loss + self.w_regress * F.smooth_l1_loss(
                 out.regress.float(), regress_targets.flatten(0, 1)[out.rows], reduction="none").mean(-1)
@@ -411,6 +426,9 @@ class MultiPassObjective(nn.Module):
         weights = [0.8**i for i in range(steps)] if ttt else [1 / steps] * steps
         self.register_buffer("pass_weights", torch.tensor(weights), persistent=False)
         self.reference = reference  # registered, so that it follows the objective's device
+        # the rollout scores the soft-CE itself where the loss is that at temperature 1 (and no selector reads logits)
+        self.soft_ce = (self.loss.token_loss.name, self.loss.token_loss.temperature) == ("soft-ce", 1.0) and \
+            reference is None
         self.selector = AdaSpecSelector(reference.requires_grad_(False).eval(), steps, select_frac) \
             if reference is not None else None
 
@@ -426,7 +444,7 @@ class MultiPassObjective(nn.Module):
                 generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
         """``vocab``: target ids the head may propose for this batch (default: its static draft vocabulary)."""
         features = self.rollout.noisy(batch.features, generator) if self.training else batch.features
-        passes = self.rollout(batch, vocab, features)
+        passes = self.rollout(batch, vocab, features, soft_ce=self.soft_ce)
         keep = self.selector(batch, vocab, features, passes) if self.selector and self.training else [None] * len(
             passes)
         sums, counts = zip(*(self.loss(out, batch.targets, k) for out, k in zip(passes, keep)), strict=True)
