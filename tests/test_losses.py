@@ -165,8 +165,9 @@ def test_linear_soft_ce_in_chunks_equals_soft_ce_over_the_whole_logits(monkeypat
     torch.testing.assert_close(loss, want, **tight)
     assert torch.equal(top, logits.topk(3, dim=-1).indices)
     if rows:
-        got = torch.autograd.grad((loss * g).sum(), (hidden, weight))
+        got = torch.autograd.grad((loss * g).sum(), (hidden, weight), retain_graph=True)
         torch.testing.assert_close(got, torch.autograd.grad((want * g).sum(), (hidden, weight)), **tight)
+        torch.testing.assert_close(torch.autograd.grad((loss * g).sum(), (hidden, weight)), got)  # logits kept
         assert got[0].dtype == hidden.dtype and got[1].dtype == weight.dtype
 
 

@@ -87,14 +87,13 @@ class SoftCrossEntropy(torch.autograd.Function):
         return (e * (g * mass)[:, None].div(s)).addcmul_(p, g[:, None], value=-1.0), None
 
 
+CHUNK_BITS = 20  # fp32 elements per chunk on a CPU, log2: 4 MB, 128 rows of an 8,192-token draft vocabulary
+
+
 def chunk_rows(vocab: int, device: torch.device) -> int:
     """Rows per chunk of :class:`LinearSoftCrossEntropy`'s fp32 work: a few MB of [rows, V] temporaries on a CPU,
-    where they stay in cache and the allocator reuses them (a fresh [N, V] tensor costs a page fault per 4 KB);
-    larger on a GPU."""
+    where the allocator reuses them (a fresh [N, V] tensor costs a page fault per 4 KB); larger on a GPU."""
     return max(1, (1 << CHUNK_BITS if device.type == "cpu" else 1 << 26) // vocab)
-
-
-CHUNK_BITS = 20
 
 
 class LinearSoftCrossEntropy(torch.autograd.Function):
@@ -133,8 +132,8 @@ class LinearSoftCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(logits)  # [N, V]: g·(softmax(x)·Σp − p), a chunk at a time in fp32
         step = chunk_rows(logits.shape[1], logits.device)
         for i in range(0, logits.shape[0], step):
-            x, p = logits[i : i + step].float(), probs[index[i : i + step]]
-            x = x.sub_(x.amax(-1, keepdim=True)).exp_()
+            x, p = logits[i : i + step].float(), probs[index[i : i + step]]  # x: the saved logits where fp32
+            x = (x - x.amax(-1, keepdim=True)).exp_()
             grad[i : i + step] = x.mul_((p.sum(-1) / x.sum(-1))[:, None]).sub_(p).mul_(g[i : i + step, None])
         return (grad @ w).to(ctx.types[0]), (grad.T @ h).to(ctx.types[1]), None, None, None
 
