@@ -125,7 +125,6 @@ if __name__ == "__main__":  # --help and usage errors answer here, before torch 
     parse_args()
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from griffin import DraftModel, SpecGenerator
@@ -138,6 +137,7 @@ from griffin.io import atomic_write_text, read_journal, weights_digest
 from griffin.kernels import WeightMajorLinears, choose_kernels
 from griffin.kv_cache import BufferCache, cached_forward
 from griffin.plain import plain_generate
+from griffin.progress import progress as progress_bar
 from griffin.sampling import SamplingConfig
 from griffin.target import cache_dir, file_lock, load_target, resolve_dtype, target_fingerprint
 from griffin.tree import Tree
@@ -291,7 +291,7 @@ def _generate_missing(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
     ordered = []
     generate = None
     temperature = settings["temperature"]
-    bar = tqdm(total=sum(len(q["turns"]) for q in questions), initial=len(done),
+    bar = progress_bar(total=sum(len(q["turns"]) for q in questions), initial=len(done),
                desc=f"{settings['bench']} T={temperature:g}", unit="prompt", dynamic_ncols=True, disable=not progress)
     for question in questions:
         messages: list[dict] = []
@@ -487,7 +487,7 @@ def evaluate(heads: Mapping[str, DraftModel], target: PreTrainedModel, samples: 
     known = known or {}
     device = next(target.parameters()).device
     results = {name: TauResult(depth) for name in heads}
-    for sample in tqdm(samples, desc="replay", unit="prompt", dynamic_ncols=True, disable=not progress):
+    for sample in progress_bar(samples, desc="replay", unit="prompt", dynamic_ncols=True, disable=not progress):
         features: dict[tuple | None, torch.Tensor] = {}  # by the target layers a head reads (None: the last)
         for name, draft in heads.items():
             result = known.get((name, sample.question_id, sample.turn))
@@ -546,7 +546,7 @@ def engine_check(head: DraftModel, target: PreTrainedModel, tokenizer: PreTraine
     gen = SpecGenerator(target, tokenizer, head, depth=depth, top_k=top_k, total_tokens=total_tokens,
                         draft_dtype=head.fusion.fc.weight.dtype)
     rows = []
-    for sample in tqdm(samples, desc=f"engine T={temperature:g}", unit="prompt", dynamic_ncols=True,
+    for sample in progress_bar(samples, desc=f"engine T={temperature:g}", unit="prompt", dynamic_ncols=True,
                        disable=not progress):
         qid = sample.question_id
         row = known.get((qid, sample.turn))

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from griffin.draft import DraftModel
+from griffin.progress import progress as progress_bar
 
 from .losses import LinearSoftCrossEntropy, TokenLoss, adaspec_select, make_token_loss, per_token_fkl
 
@@ -462,10 +463,8 @@ def score_store(objective: MultiPassObjective, store, indices: list[int], batch_
     :func:`pass_report`). ``autocast``: a context-manager factory (training's mixed precision), or None."""
     from contextlib import nullcontext
 
-    from tqdm.auto import tqdm
-
     totals = torch.zeros(5, objective.steps, device=device)
-    for b in tqdm(range(0, len(indices), batch_size), desc="validate", disable=not progress, leave=False):
+    for b in progress_bar(range(0, len(indices), batch_size), desc="validate", disable=not progress, leave=False):
         batch = make_batch(store.items(indices[b : b + batch_size]), max_len, objective.draft.config.fused)
         batch = batch.to(device)
         member = batch_members(objective.draft, batch)
