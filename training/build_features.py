@@ -283,7 +283,8 @@ class Progress:
         self.bar.set_postfix(tok_s=f"{self.tokens / max(self.seconds, 1e-9):.0f}", tokens=self.tokens)
 
     def skip(self, n: int) -> None:
-        self.bar.update(n)
+        """Records not run through the target here (other shards, shards built before, records too long or empty)."""
+        self.bar.skip(n)
 
     @property
     def tokens_per_s(self) -> float:
