@@ -273,6 +273,7 @@ class Rollout:
         scored = soft_ce and draft.lm_head is not None and seen is None
         if scored:
             probs = F.softmax(target_logits, dim=-1)  # [N1, V], shared by every pass's rows
+            del target_logits  # only the probabilities are read from here on: one [N1, V] fp32 tensor, not two
         features = batch.features if features is None else features
         # TAT: the kept positions, which are also the computed ones; TTT: the chains still alive (in the tree)
         mask = (batch.valid.float() if self.ttt else data_mask) if masks is None else masks[0]
