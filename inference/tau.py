@@ -292,7 +292,8 @@ def _generate_missing(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
     generate = None
     temperature = settings["temperature"]
     bar = progress_bar(total=sum(len(q["turns"]) for q in questions), initial=len(done),
-               desc=f"{settings['bench']} T={temperature:g}", unit="prompt", dynamic_ncols=True, disable=not progress)
+                       desc=f"{settings['bench']} T={temperature:g}", unit="prompt", dynamic_ncols=True,
+                       disable=not progress)
     for question in questions:
         messages: list[dict] = []
         for turn, text in enumerate(question["turns"]):
@@ -547,7 +548,7 @@ def engine_check(head: DraftModel, target: PreTrainedModel, tokenizer: PreTraine
                         draft_dtype=head.fusion.fc.weight.dtype)
     rows = []
     for sample in progress_bar(samples, desc=f"engine T={temperature:g}", unit="prompt", dynamic_ncols=True,
-                       disable=not progress):
+                               disable=not progress):
         qid = sample.question_id
         row = known.get((qid, sample.turn))
         if row is None:

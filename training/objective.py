@@ -314,8 +314,7 @@ class Rollout:
                     logits = logits.masked_fill(blocked, -torch.inf)
                     labels = labels.masked_fill(blocked, -torch.inf)
                     gt_k = torch.where(blocked.gather(-1, gt_k.clamp(min=0)[:, None])[:, 0], -1, gt_k)
-                with torch.no_grad():
-                    ranked = logits.topk(min(self.report_k, logits.shape[-1]), dim=-1).indices  # [N, k]
+                ranked = logits.detach().topk(min(self.report_k, logits.shape[-1]), dim=-1).indices  # [N, k]
             with torch.no_grad():
                 hit1 = scatter_rows((ranked[:, 0] == gt_k).float(), rows, mask.shape)
                 hitk = scatter_rows((ranked == gt_k[:, None]).any(-1).float(), rows, mask.shape)
