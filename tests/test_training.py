@@ -23,6 +23,7 @@ from training.objective import (
     HeadLoss,
     MultiPassObjective,
     Rollout,
+    chain_attention,
     make_batch,
     next_masks,
 )
@@ -42,15 +43,17 @@ def test_mask_recurrence_on_hand_built_examples():
 
 @pytest.mark.parametrize("k", [2, 3, 4])
 def test_chain_attention_equals_naive_reference(k):
-    """Pass k's query at t sees key s of version max(k-1-(t-s), 0) for every s <= t; version k-1 is its own new key."""
+    """Pass k's query at t sees key s of version max(k-1-(t-s), 0) for every s <= t; version k-1 is its own new key.
+    The output and the gradients of every input match one softmax over those keys."""
     torch.manual_seed(k)
     b, t, nh, nkv, d = 2, 7, 4, 2, 8
     index = torch.tensor([[3, 5, 6], [k - 1, 4, 6]])  # [B, Tq] query positions, each far enough for its chain
-    q = torch.randn(b, nh, 3, d)
-    keys = [torch.randn(b, nkv, t, d) for _ in range(k - 1)]
-    values = [torch.randn(b, nkv, t, d) for _ in range(k - 1)]
-    k_new, v_new = torch.randn(b, nkv, 3, d), torch.randn(b, nkv, 3, d)
+    q = torch.randn(b, nh, 3, d, requires_grad=True)
+    keys = [torch.randn(b, nkv, t, d, requires_grad=True) for _ in range(k - 1)]
+    values = [torch.randn(b, nkv, t, d, requires_grad=True) for _ in range(k - 1)]
+    k_new, v_new = torch.randn(b, nkv, 3, d, requires_grad=True), torch.randn(b, nkv, 3, d, requires_grad=True)
     got = Rollout.chain(index, k, keys, values)(q, k_new, v_new)  # [B, nh, Tq, D]
+    want = torch.zeros_like(got)
     for bi in range(b):
         for j, ti in enumerate(index[bi].tolist()):
             ks, vs = [], []
@@ -61,7 +64,26 @@ def test_chain_attention_equals_naive_reference(k):
             kk = torch.stack(ks, 1).repeat_interleave(nh // nkv, 0)  # [nh, S, d]
             vv = torch.stack(vs, 1).repeat_interleave(nh // nkv, 0)
             att = ((q[bi, :, j, None] @ kk.transpose(1, 2)) / math.sqrt(d)).softmax(-1)  # [nh, 1, S]
-            torch.testing.assert_close(got[bi, :, j], (att @ vv)[:, 0], rtol=1e-5, atol=1e-5)
+            want[bi, :, j] = (att @ vv)[:, 0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    inputs = [q, k_new, v_new, *keys, *values]
+    weights = torch.randn_like(got)
+    for g_got, g_want in zip(torch.autograd.grad((got * weights).sum(), inputs),
+                             torch.autograd.grad((want * weights).sum(), inputs), strict=True):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-5)
+
+
+def test_chain_attention_of_a_query_without_a_prefix_reads_its_chain_only():
+    """A slot whose chain would start before position 0 (a padded slot of the rollout) sees no prefix key: its output
+    is its chain's own attention, finite, not an average with masked-out keys."""
+    torch.manual_seed(0)
+    b, nh, nkv, t, c, d = 1, 2, 1, 5, 2, 4
+    q = torch.randn(b, nh, 1, d)
+    chain_keys, chain_values = torch.randn(b, nkv, 1, c, d), torch.randn(b, nkv, 1, c, d)
+    got = chain_attention(q, torch.randn(b, nkv, t, d), torch.randn(b, nkv, t, d), chain_keys, chain_values,
+                          torch.tensor([[-1]]))
+    att = (q[0, :, 0] @ chain_keys[0, 0, 0].T / math.sqrt(d)).softmax(-1)  # [nh, C]
+    torch.testing.assert_close(got[0, :, 0], att @ chain_values[0, 0, 0])
 
 
 def synthetic_items(target, n: int, length: int, seed: int = 0) -> list[Conversation]:

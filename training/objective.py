@@ -49,20 +49,30 @@ def chain_attention(q: torch.Tensor, keys0: torch.Tensor, values0: torch.Tensor,
     diagonal attention): ``T + C`` keys per query, where concatenating every version's keys behind a mask would
     cost ``(C + 1) * T``.
 
+    The prefix runs in one fused ``scaled_dot_product_attention`` call, so its [Tq, T] scores and probabilities are
+    never materialised. The chain joins it as one extra key per query: each query gets an extra dimension holding
+    its chain's log-sum-exp, read by a sentinel key that is 1 there, so the sentinel takes exactly the chain's share
+    of the softmax; its value (1 in the extra dimension) returns that share, which weighs the chain's own attention
+    output. The same function as one softmax over ``T + C`` scores, and its gradient.
+
     q [B, nh, Tq, D]; keys0 / values0 [B, nkv, T, D]; chain_keys / chain_values [B, nkv, Tq, C, D]; limit [B, Tq]
     -> [B, nh, Tq, D]. Query head ``i`` reads key head ``i // (nh / nkv)``, as transformers' grouped attention.
     """
     b, nh, tq, d = q.shape
     nkv, t = keys0.shape[1], keys0.shape[2]
-    q = q.reshape(b, nkv, nh // nkv * tq, d) * d**-0.5  # the query heads of one key head side by side
-    prefix = (q @ keys0.transpose(-1, -2)).view(b, nkv, -1, tq, t)  # [B, nkv, g, Tq, T]
-    allowed = torch.arange(t, device=q.device) <= limit[..., None]  # [B, Tq, T]
-    prefix = prefix.masked_fill(~allowed[:, None, None], -torch.inf)
-    chain = torch.einsum("bngqd,bnqcd->bngqc", q.view(b, nkv, -1, tq, d), chain_keys)  # [B, nkv, g, Tq, C]
-    weights = torch.cat((prefix, chain), dim=-1).softmax(-1)
-    out = (weights[..., :t].flatten(2, 3) @ values0).view(b, nkv, -1, tq, d)
-    out = out + torch.einsum("bngqc,bnqcd->bngqd", weights[..., t:], chain_values)
-    return out.reshape(b, nh, tq, d)
+    scale = d**-0.5
+    # [B, nkv, g, Tq, C] the chain's scores, and its own attention output
+    chain = torch.einsum("bngqd,bnqcd->bngqc", q.view(b, nkv, -1, tq, d), chain_keys).float() * scale
+    chain_out = torch.einsum("bngqc,bnqcd->bngqd", chain.softmax(-1).to(chain_values.dtype), chain_values)
+    lse = chain.logsumexp(-1).reshape(b, nh, tq, 1)  # [B, nh, Tq, 1] the sentinel's score
+    sentinel = F.pad(keys0.new_ones(b, nkv, 1, 1), (d, 0))  # [B, nkv, 1, D + 1]: 1 in the extra dimension only
+    q = torch.cat((q, (lse / scale).to(q.dtype)), dim=-1)  # [B, nh, Tq, D + 1]
+    keys = torch.cat((F.pad(keys0, (0, 1)), sentinel), dim=2)  # [B, nkv, T + 1, D + 1]
+    values = torch.cat((F.pad(values0, (0, 1)), sentinel), dim=2)
+    allowed = torch.arange(t + 1, device=q.device) <= limit[..., None]  # [B, Tq, T + 1]
+    allowed[..., t] = True  # the sentinel: every query has a chain
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None], scale=scale, enable_gqa=True)
+    return out[..., :d] + out[..., d:] * chain_out.reshape(b, nh, tq, d)
 
 
 def next_masks(mask: torch.Tensor, aligned: torch.Tensor, data_mask: torch.Tensor) -> torch.Tensor:
