@@ -23,6 +23,7 @@ def run_cli(main: Callable[[list[str] | None], int], expected: tuple[type[BaseEx
     unreadable file, a full disk) print ``error: ...`` on one line and exit 2 (GRIFFIN_DEBUG=1 re-raises)."""
     logging.basicConfig(level=os.environ.get("GRIFFIN_LOG", "INFO"), format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    quiet_hub_bars(sys.stderr)
     try:
         return main(argv)
     except (ValueError, OSError, *expected) as err:
@@ -33,6 +34,21 @@ def run_cli(main: Callable[[list[str] | None], int], expected: tuple[type[BaseEx
     except KeyboardInterrupt:
         print(interrupted, file=sys.stderr)
         return 130
+
+
+def quiet_hub_bars(stream) -> None:
+    """Where ``stream`` is not a terminal (a log file, CI), turn off the Hugging Face libraries' own bars ("Loading
+    weights", downloads): there a bar writes every redraw into one ever longer line, and the commands' own progress
+    lines already say what is under way. ``HF_HUB_DISABLE_PROGRESS_BARS=0`` keeps them."""
+    if hasattr(stream, "isatty") and stream.isatty():
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when the libraries are imported
+    if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] != "1":
+        return
+    if "transformers" in sys.modules:  # imported already: its switch also turns off the hub's
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+    elif "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
 
 
 def one_line(err: BaseException) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 import time
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 from griffin import DraftConfig, DraftModel, SpecGenerator, autotune
 from griffin.autotune import cut_tree_yield
 from griffin.tree import build_tree
-from tests.conftest import fake_result, run_module, tiny_model
+from tests.conftest import ROOT, fake_result, run_module, tiny_model
 
 
 def chain_tree(length: int):
@@ -347,6 +349,26 @@ def test_progress_bars_write_a_line_at_start_and_end_in_a_log_file():
     for _ in progress(range(5), desc="quiet", file=log, disable=True):
         pass
     assert "quiet" not in log.getvalue()
+
+
+@pytest.mark.parametrize("imported", ["before", "inside"])
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_hugging_face_bars_stay_out_of_a_commands_log_unless_asked_for(imported, setting):
+    """A command whose stderr is a log file writes no "Loading weights" redraws, whether transformers was imported
+    before the command started or during it; ``HF_HUB_DISABLE_PROGRESS_BARS=0`` keeps the bars."""
+    import subprocess
+
+    bar = "from transformers.utils import logging as hf; sum(hf.tqdm(range(3), desc={!r}))"
+    main = f"def main(argv):\n    {bar.format('Loading weights')}\n    return 0\n"
+    code = (bar.format("Before the command") + "\n" if imported == "before" else "") + main
+    code += "from griffin.cli import run_cli\nrun_cli(main)\n"
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    if setting is not None:
+        env["HF_HUB_DISABLE_PROGRESS_BARS"] = setting
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert ("Before the command" in res.stderr) == (imported == "before"), res.stderr  # bars draw until told not to
+    assert ("Loading weights" in res.stderr) == (setting == "0"), res.stderr
 
 
 def test_progress_bars_in_a_log_file_write_a_status_line_every_few_minutes(monkeypatch):
