@@ -1,14 +1,22 @@
-"""Seconds per training update of the EAGLE-3-generation heads, with the soft cross-entropy scored inside the
-rollout (``training.losses.LinearSoftCrossEntropy``, the default) against scored afterwards over fp32 [N, V] logits.
+"""Seconds per training update of the EAGLE-3-generation heads, training's default against an earlier form of one
+part (``--study``):
+
+- ``soft-ce``: the soft cross-entropy scored inside the rollout (``training.losses.LinearSoftCrossEntropy``)
+  against scored afterwards over fp32 [N, V] logits;
+- ``attention``: the training-time test's chain attention as one fused SDPA call plus a sentinel key
+  (``training.objective.chain_attention``) against its scores and probabilities written out
+  (``benchmarks.ttt_attention.explicit_chain``).
 
     python -m benchmarks.train_step --out benchmarks/results/train-step
+    python -m benchmarks.train_step --study attention --out benchmarks/results/train-step-attention
 
 Builds a feature store of the embedded target with its three fused layers from the first ``--conversations`` ShareGPT
 records (a temporary folder unless ``--store`` names one), then trains each head and arm for ``--updates`` updates
-with the recipe's settings (TTT 7, no token mask, batch 4, draft vocabulary 8,192, bf16 autocast, one thread), arms
-interleaved, ``--repeats`` times, after one update of each as a warm-up. The time is the trainer's own update time
-(``train_seconds`` in its ``validation.json``: no loading, no validation). The two arms of a repeat also report their
-validation loss after the updates, which should agree to float noise. Writes JSON and a markdown table.
+with the recipe's settings (TTT 7, no token mask, batch 4, draft vocabulary 8,192, bf16 autocast, one thread), the
+default and the earlier form interleaved, ``--repeats`` times, after one update of each as a warm-up. The time is the
+trainer's own update time (``train_seconds`` in its ``validation.json``: no loading, no validation). The two arms of a
+repeat also report their validation loss after the updates, which should agree to float noise. Writes JSON and a
+markdown table.
 """
 
 from __future__ import annotations
@@ -21,27 +29,49 @@ import sys
 import tempfile
 from pathlib import Path
 
-ARMS = {"rollout": True, "logits": False}  # arm -> MultiPassObjective.soft_ce
+# study -> (title, default arm, earlier arm); each arm's name is also its label in the results
+STUDIES = {"soft-ce": ("soft-CE in the rollout against over the logits", "rollout", "logits"),
+           "attention": ("TTT chain attention, fused SDPA and a sentinel key against explicit scores", "sentinel",
+                         "explicit")}
 
 
-def train_once(store: Path, out: Path, arch: str, soft_ce: bool, updates: int) -> dict:
-    """One short training run; -> its update seconds and validation after the updates."""
-    from training import train
+@contextlib.contextmanager
+def earlier_form(study: str):
+    """Training with the study's earlier form in place of the default, for the duration of the block."""
+    import training.objective
     from training.objective import MultiPassObjective
 
-    init = MultiPassObjective.__init__
+    if study == "soft-ce":
+        init = MultiPassObjective.__init__
 
-    def arm(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.soft_ce = self.soft_ce and soft_ce
+        def arm(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.soft_ce = False
 
-    MultiPassObjective.__init__ = arm
-    try:
+        MultiPassObjective.__init__ = arm
+        try:
+            yield
+        finally:
+            MultiPassObjective.__init__ = init
+    else:
+        from benchmarks.ttt_attention import explicit_chain
+
+        default = training.objective.chain_attention
+        training.objective.chain_attention = explicit_chain  # Rollout.chain reads the module's function
+        try:
+            yield
+        finally:
+            training.objective.chain_attention = default
+
+
+def train_once(store: Path, out: Path, arch: str, study: str, default: bool, updates: int) -> dict:
+    """One short training run; -> its update seconds and validation after the updates."""
+    from training import train
+
+    with contextlib.nullcontext() if default else earlier_form(study):
         train.main(["--features", str(store), "--out", str(out), "--arch", arch, "--ttt-steps", "7", "--topk", "0",
                     "--lr", "6e-4", "--epochs", "1", "--batch-size", "4", "--draft-vocab", "8192",
                     "--mixed-precision", "bf16", "--val-max", "2", "--max-updates", str(updates)])
-    finally:
-        MultiPassObjective.__init__ = init
     last = json.loads((out / "validation.json").read_text())["epochs"][-1]
     return {"seconds_per_update": last["train_seconds"] / last["updates"],
             "val_loss": [p["loss"] for p in last["passes"]], "val_top1": [p["top1"] for p in last["passes"]]}
@@ -49,6 +79,7 @@ def train_once(store: Path, out: Path, arch: str, soft_ce: bool, updates: int) -
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--study", choices=list(STUDIES), default="soft-ce")
     p.add_argument("--heads", default="eagle3,griffin3")
     p.add_argument("--updates", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
@@ -69,33 +100,35 @@ def main(argv: list[str] | None = None) -> int:
         if not (store / "manifest.json").is_file():
             build_features.main(["--out", str(store), "--max-samples", str(args.conversations), "--max-len", "1024",
                                  "--feature-layers", "auto", "--dtype", "bf16"])
+        title, new, old = STUDIES[args.study]
+        arms = {new: True, old: False}  # arm -> training's default form
         for arch in args.heads.split(","):  # warm-up: the process's first updates of each arm, not recorded
-            for name, soft_ce in ARMS.items():
-                train_once(store, work / f"{arch}-{name}-warm-up", arch, soft_ce, 1)
+            for name, default in arms.items():
+                train_once(store, work / f"{arch}-{name}-warm-up", arch, args.study, default, 1)
         runs = []
         for repeat in range(args.repeats):
             for arch in args.heads.split(","):
-                for name, soft_ce in ARMS.items():
-                    result = train_once(store, work / f"{arch}-{name}-{repeat}", arch, soft_ce, args.updates)
+                for name, default in arms.items():
+                    result = train_once(store, work / f"{arch}-{name}-{repeat}", arch, args.study, default,
+                                        args.updates)
                     runs.append({"head": arch, "arm": name, "repeat": repeat, **result})
                     print(f"{arch} {name} repeat {repeat}: {result['seconds_per_update']:.2f} s/update", flush=True)
     rows, summary = [], {}
     for arch in args.heads.split(","):
-        arm = {name: [r for r in runs if (r["head"], r["arm"]) == (arch, name)] for name in ARMS}  # repeat order
-        median = {name: statistics.median(r["seconds_per_update"] for r in arm[name]) for name in ARMS}
-        loss_diff = max(abs(x - y) for a, b in zip(arm["rollout"], arm["logits"], strict=True)
+        arm = {name: [r for r in runs if (r["head"], r["arm"]) == (arch, name)] for name in arms}  # repeat order
+        median = {name: statistics.median(r["seconds_per_update"] for r in arm[name]) for name in arms}
+        loss_diff = max(abs(x - y) for a, b in zip(arm[new], arm[old], strict=True)
                         for x, y in zip(a["val_loss"], b["val_loss"], strict=True))
-        summary[arch] = {"median_s": median, "speedup": median["logits"] / median["rollout"],
-                         "max_val_loss_diff": loss_diff}
-        rows.append([arch, f"{median['logits']:.2f}", f"{median['rollout']:.2f}",
-                     f"{median['logits'] / median['rollout']:.2f}x", f"{loss_diff:.1e}"])
+        summary[arch] = {"median_s": median, "speedup": median[old] / median[new], "max_val_loss_diff": loss_diff}
+        rows.append([arch, f"{median[old]:.2f}", f"{median[new]:.2f}", f"{median[old] / median[new]:.2f}x",
+                     f"{loss_diff:.1e}"])
     machine = machine_info()
     command = command_line("benchmarks.train_step", argv)
     result = {"command": command, "machine": machine, "settings": vars(args), "runs": runs, "summary": summary}
     atomic_write_json(Path(args.out + ".json"), result)
-    headers = ["head", "logits s/update", "rollout s/update", "speedup", "largest val loss difference"]
+    headers = ["head", f"{old} s/update", f"{new} s/update", "speedup", "largest val loss difference"]
     table = markdown_table(headers, rows)
-    atomic_write_text(Path(args.out + ".md"), f"# Training update: soft-CE in the rollout against over the logits\n\n"
+    atomic_write_text(Path(args.out + ".md"), f"# Training update: {title}\n\n"
                       f"`{command}` on {machine_text(machine)}; median of {args.repeats} interleaved repeats of "
                       f"{args.updates} updates after a warm-up, one thread.\n\n{table}\n")
     print(table)

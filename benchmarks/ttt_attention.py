@@ -1,13 +1,20 @@
-"""Training-time test's attention: the chain form training uses against the same attention as one masked SDPA call.
+"""Training-time test's attention: the chain form training uses against two other ways to write the same attention.
 
     python -m benchmarks.ttt_attention --out benchmarks/results/ttt-attention
 
 Pass ``k`` of training-time test has, per query, the version-0 keys of its prefix and one key of each later version
-(its own draft chain). Written as one ``scaled_dot_product_attention`` over every version's keys behind a boolean
-mask, a query scores ``(k-1) T + Tq`` keys; ``training.objective.chain_attention`` scores ``T`` prefix keys and ``k``
-chain keys. Both are timed forward and backward, interleaved, on the embedded target's head shape (9 query heads, 3
-key heads of 64) and the recipe's batch (4 conversations of 1023 positions, 800 queries per pass), one thread, in fp32
-and bf16, and checked equal first. Writes JSON and a markdown table.
+(its own draft chain). Three ways to compute it, timed forward and backward:
+
+- *masked SDPA*: one ``scaled_dot_product_attention`` over every version's keys behind a boolean mask; a query scores
+  ``(k-1) T + Tq`` keys.
+- *explicit chain*: ``T`` prefix keys and ``k-1`` chain keys per query, scores and softmax written out in fp32
+  ([B, nkv, g, Tq, T + k - 1] tensors), training's form until the sentinel form replaced it.
+- *sentinel chain*: ``training.objective.chain_attention``, the prefix in one fused SDPA call and the chain joined as
+  one sentinel key scored by its log-sum-exp.
+
+On the embedded target's head shape (9 query heads, 3 key heads of 64) and the recipe's batch (4 conversations of
+1023 positions, 800 queries per pass), one thread, in fp32 and bf16, interleaved, each checked against the masked SDPA
+call first. Writes JSON and a markdown table.
 """
 
 from __future__ import annotations
@@ -27,6 +34,34 @@ def masked_sdpa(q, keys, values, k_new, v_new, mask):
 
     return F.scaled_dot_product_attention(q, torch.cat(keys + [k_new], 2), torch.cat(values + [v_new], 2),
                                           attn_mask=mask, enable_gqa=True)
+
+
+def explicit_chain(q, keys0, values0, chain_keys, chain_values, limit):
+    """The chain form with its scores written out: [B, nkv, g, Tq, T + C] fp32 probabilities per pass."""
+    import torch
+
+    b, nh, tq, d = q.shape
+    nkv, t = keys0.shape[1], keys0.shape[2]
+    q = q.reshape(b, nkv, nh // nkv * tq, d) * d**-0.5
+    prefix = (q @ keys0.transpose(-1, -2)).view(b, nkv, -1, tq, t)  # [B, nkv, g, Tq, T]
+    prefix = prefix.masked_fill(~(torch.arange(t) <= limit[..., None])[:, None, None], -torch.inf)
+    chain = torch.einsum("bngqd,bnqcd->bngqc", q.view(b, nkv, -1, tq, d), chain_keys)  # [B, nkv, g, Tq, C]
+    weights = torch.cat((prefix, chain), dim=-1).softmax(-1)
+    out = (weights[..., :t].flatten(2, 3) @ values0).view(b, nkv, -1, tq, d)
+    out = out + torch.einsum("bngqc,bnqcd->bngqd", weights[..., t:], chain_values)
+    return out.reshape(b, nh, tq, d)
+
+
+def with_attention(attention, run):
+    """``run()`` with ``attention`` as training's chain attention (``Rollout.chain`` reads the module's function)."""
+    import training.objective
+
+    saved = training.objective.chain_attention
+    training.objective.chain_attention = attention
+    try:
+        return run()
+    finally:
+        training.objective.chain_attention = saved
 
 
 def version_mask(index, k: int, t: int):
@@ -66,10 +101,13 @@ def main(argv: list[str] | None = None) -> int:
             k_new = torch.randn(b, nkv, tq, d, dtype=dtype, requires_grad=True)
             v_new = torch.randn(b, nkv, tq, d, dtype=dtype, requires_grad=True)
             mask = version_mask(index, k, t)
+            chain = partial(Rollout.chain(index, k, keys, values), q, k_new, v_new)
             methods = {"masked SDPA": partial(masked_sdpa, q, keys, values, k_new, v_new, mask),
-                       "chain": partial(Rollout.chain(index, k, keys, values), q, k_new, v_new)}
+                       "explicit chain": partial(with_attention, explicit_chain, chain), "sentinel chain": chain}
             with torch.no_grad():
-                gap = (methods["chain"]().float() - methods["masked SDPA"]().float()).abs().max().item()
+                reference = methods["masked SDPA"]().float()
+                gap = {name: (run().float() - reference).abs().max().item() for name, run in methods.items()
+                       if name != "masked SDPA"}
             seconds = {name: [] for name in methods}
             for _ in range(args.repeats):
                 for name, run in methods.items():
@@ -77,18 +115,23 @@ def main(argv: list[str] | None = None) -> int:
                     run().float().sum().backward()
                     seconds[name].append(time.perf_counter() - t0)
             median = {name: statistics.median(s) for name, s in seconds.items()}
-            rows.append({"dtype": str(dtype).removeprefix("torch."), "pass": k, "max_abs_diff": gap,
-                         "masked_sdpa_s": median["masked SDPA"], "chain_s": median["chain"],
-                         "speedup": median["masked SDPA"] / median["chain"]})
+            rows.append({"dtype": str(dtype).removeprefix("torch."), "pass": k,
+                         "max_abs_diff": gap["sentinel chain"], "explicit_max_abs_diff": gap["explicit chain"],
+                         "masked_sdpa_s": median["masked SDPA"], "explicit_chain_s": median["explicit chain"],
+                         "chain_s": median["sentinel chain"],
+                         "speedup": median["masked SDPA"] / median["sentinel chain"],
+                         "speedup_over_explicit": median["explicit chain"] / median["sentinel chain"]})
             print(rows[-1], flush=True)
     command = "python -m benchmarks.ttt_attention " + " ".join(argv if argv is not None else sys.argv[1:])
     machine = {"cpu": cpu_name(), "threads": 1, "torch": torch.__version__, "python": platform.python_version()}
     shape = {"batch": b, "positions": t, "queries": tq, "heads": nh, "kv_heads": nkv, "head_dim": d}
     atomic_write_json(f"{args.out}.json", {"command": command.strip(), "machine": machine, "shape": shape,
                                           "repeats": args.repeats, "rows": rows})
-    table = markdown_table(["dtype", "pass k", "masked SDPA s", "chain s", "speedup", "max |diff|"],
-                           [[r["dtype"], r["pass"], f"{r['masked_sdpa_s']:.3f}", f"{r['chain_s']:.3f}",
-                             f"{r['speedup']:.2f}x", f"{r['max_abs_diff']:.1e}"] for r in rows])
+    table = markdown_table(["dtype", "pass k", "masked SDPA s", "explicit chain s", "sentinel chain s",
+                            "over masked SDPA", "over explicit chain", "max |diff| (explicit, sentinel)"],
+                           [[r["dtype"], r["pass"], f"{r['masked_sdpa_s']:.3f}", f"{r['explicit_chain_s']:.3f}",
+                             f"{r['chain_s']:.3f}", f"{r['speedup']:.2f}x", f"{r['speedup_over_explicit']:.2f}x",
+                             f"{r['explicit_max_abs_diff']:.1e}, {r['max_abs_diff']:.1e}"] for r in rows])
     atomic_write_text(f"{args.out}.md", f"# Training-time test's attention, forward + backward\n\n`{command.strip()}`"
                       f" on {machine['cpu']}, one thread, torch {machine['torch']}; median of {args.repeats} "
                       f"interleaved repeats. Shape: {shape}.\n\n{__doc__.split(chr(10) + chr(10), 1)[1]}\n{table}")
