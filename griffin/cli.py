@@ -46,9 +46,13 @@ def quiet_hub_bars(stream) -> None:
     if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] != "1":
         return
     if "transformers" in sys.modules:  # imported already: its switch also turns off the hub's
-        sys.modules["transformers"].utils.logging.disable_progress_bar()
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
     elif "huggingface_hub" in sys.modules:
-        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
 
 
 def one_line(err: BaseException) -> str:
