@@ -54,7 +54,8 @@ def chain_attention(q: torch.Tensor, keys0: torch.Tensor, values0: torch.Tensor,
     its chain's log-sum-exp, read by a sentinel key that is 1 there, so the sentinel takes exactly the chain's share
     of the softmax; its value (1 in the extra dimension) returns that share, which weighs the chain's own attention
     output. The same function as one softmax over ``T + C`` scores, and its gradient. (The extra dimensions are 8,
-    seven of them zeros, so that a GPU's fused kernels take the call; one would do on a CPU.)
+    seven of them zeros, and the key heads are repeated per query head, so that a GPU's memory-efficient kernel can
+    take the masked call; a CPU's fused kernel needs neither.)
 
     q [B, nh, Tq, D]; keys0 / values0 [B, nkv, T, D]; chain_keys / chain_values [B, nkv, Tq, C, D]; limit [B, Tq]
     -> [B, nh, Tq, D]. Query head ``i`` reads key head ``i // (nh / nkv)``, as transformers' grouped attention.
@@ -66,15 +67,16 @@ def chain_attention(q: torch.Tensor, keys0: torch.Tensor, values0: torch.Tensor,
     chain = torch.einsum("bngqd,bnqcd->bngqc", q.view(b, nkv, -1, tq, d), chain_keys).float() * scale
     chain_out = torch.einsum("bngqc,bnqcd->bngqd", chain.softmax(-1).to(chain_values.dtype), chain_values)
     lse = chain.logsumexp(-1).reshape(b, nh, tq, 1)  # [B, nh, Tq, 1] the sentinel's score
-    # E = 8 extra dimensions, the first used, the rest zeros: D + E stays a multiple of 8, which fused GPU kernels want
+    # E = 8 extra dimensions, the first used, the rest zeros, and the key heads repeated per query head: what the
+    # memory-efficient GPU kernel needs (D + E a multiple of 8, no grouped heads) to take a masked call
     e = 8
     sentinel = F.pad(keys0.new_ones(b, nkv, 1, 1), (d, e - 1))  # [B, nkv, 1, D + E]: 1 at the extra dimension d
     q = torch.cat((q, F.pad((lse / scale).to(q.dtype), (0, e - 1))), dim=-1)  # [B, nh, Tq, D + E]
-    keys = torch.cat((F.pad(keys0, (0, e)), sentinel), dim=2)  # [B, nkv, T + 1, D + E]
-    values = torch.cat((F.pad(values0, (0, e)), sentinel), dim=2)
+    keys = torch.cat((F.pad(keys0, (0, e)), sentinel), dim=2).repeat_interleave(nh // nkv, 1)  # [B, nh, T + 1, D + E]
+    values = torch.cat((F.pad(values0, (0, e)), sentinel), dim=2).repeat_interleave(nh // nkv, 1)
     allowed = torch.arange(t + 1, device=q.device) <= limit[..., None]  # [B, Tq, T + 1]
     allowed[..., t] = True  # the sentinel: every query has a chain
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None], scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None], scale=scale)
     return out[..., :d] + out[..., d : d + 1] * chain_out.reshape(b, nh, tq, d)
 
 
