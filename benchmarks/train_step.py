@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 # study -> (title, default arm, earlier arm); each arm's name is also its label in the results
 STUDIES = {"soft-ce": ("soft-CE in the rollout against over the logits", "rollout", "logits"),
@@ -35,33 +36,21 @@ STUDIES = {"soft-ce": ("soft-CE in the rollout against over the logits", "rollou
                          "explicit")}
 
 
-@contextlib.contextmanager
 def earlier_form(study: str):
-    """Training with the study's earlier form in place of the default, for the duration of the block."""
-    import training.objective
+    """A context manager: training with the study's earlier form in place of the default."""
     from training.objective import MultiPassObjective
 
-    if study == "soft-ce":
-        init = MultiPassObjective.__init__
-
-        def arm(self, *args, **kwargs):
-            init(self, *args, **kwargs)
-            self.soft_ce = False
-
-        MultiPassObjective.__init__ = arm
-        try:
-            yield
-        finally:
-            MultiPassObjective.__init__ = init
-    else:
+    if study == "attention":  # Rollout.chain reads the module's function
         from benchmarks.ttt_attention import explicit_chain
 
-        default = training.objective.chain_attention
-        training.objective.chain_attention = explicit_chain  # Rollout.chain reads the module's function
-        try:
-            yield
-        finally:
-            training.objective.chain_attention = default
+        return mock.patch("training.objective.chain_attention", explicit_chain)
+    init = MultiPassObjective.__init__
+
+    def without_soft_ce(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.soft_ce = False
+
+    return mock.patch.object(MultiPassObjective, "__init__", without_soft_ce)
 
 
 def train_once(store: Path, out: Path, arch: str, study: str, default: bool, updates: int) -> dict:

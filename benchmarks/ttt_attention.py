@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from functools import partial
+from unittest import mock
 
 
 def masked_sdpa(q, keys, values, k_new, v_new, mask):
@@ -54,14 +55,8 @@ def explicit_chain(q, keys0, values0, chain_keys, chain_values, limit):
 
 def with_attention(attention, run):
     """``run()`` with ``attention`` as training's chain attention (``Rollout.chain`` reads the module's function)."""
-    import training.objective
-
-    saved = training.objective.chain_attention
-    training.objective.chain_attention = attention
-    try:
+    with mock.patch("training.objective.chain_attention", attention):
         return run()
-    finally:
-        training.objective.chain_attention = saved
 
 
 def version_mask(index, k: int, t: int):
