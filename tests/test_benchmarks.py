@@ -397,3 +397,33 @@ def test_paired_studies_continue_with_the_reference_answer_and_refuse_other_toke
     assert rows[0]["tree"] == {"tokens_per_s": 8.0, "tau": 2.0, "new_tokens": 2, "name": "tree"}
     with pytest.raises(RuntimeError, match="bad wrote other tokens than plain"):
         take_turns(generate, ["plain", "bad"], encode, 1)
+
+
+def test_clone_cost_splits_the_history_into_present_and_earlier_versions_by_folder(tmp_path):
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "checkpoints" / "head").mkdir(parents=True)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    weights = repo / "checkpoints" / "head" / "model.safetensors"
+    for seed in (0, 1):  # two versions of incompressible weights, 600 kB each
+        weights.write_bytes(torch.randint(0, 256, (600_000,), generator=torch.Generator().manual_seed(seed),
+                                          dtype=torch.uint8).numpy().tobytes())
+        (repo / "README.md").write_text(f"version {seed}\n")
+        subprocess.run(git + ["add", "-A"], check=True)
+        subprocess.run(git + ["commit", "-qm", f"v{seed}"], check=True)
+    out = tmp_path / "clone-cost"
+    assert run_main("benchmarks.clone_cost", "--repo", str(repo), "--out", str(out))[0] == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["commits"] == 2
+    earlier, present = result["history"]["earlier"], result["history"]["present"]
+    assert earlier["checkpoints/head"] > 590_000 and present["checkpoints/head"] > 590_000  # one version each
+    assert 0 < earlier["README.md"] < 100 and "checkpoints/head" not in set(earlier) - set(present)
+    clones = result["clones"]
+    assert clones["full"]["git_bytes"] > clones["depth 1"]["git_bytes"] + 590_000  # only the full clone has both
+    assert clones["blobless"]["git_bytes"] < clones["full"]["git_bytes"] - 590_000
+    assert all(c["tree_bytes"] == 600_000 + len("version 1\n") for c in clones.values())
+    assert "| `checkpoints/head` | 0.6 | 0.6 |" in out.with_suffix(".md").read_text()
+    code, err = run_main("benchmarks.clone_cost", "--repo", str(tmp_path), "--out", str(out))
+    assert code == 2 and "is not a git checkout" in err
