@@ -92,8 +92,9 @@ def report(result: dict) -> str:
     split = [[f"`{f}`", f"{earlier.get(f, 0) / MB:.1f}", f"{present.get(f, 0) / MB:.1f}"] for f in folders
              if earlier.get(f, 0) + present.get(f, 0) >= 0.5 * MB]
     small = [f for f in folders if earlier.get(f, 0) + present.get(f, 0) < 0.5 * MB]
-    split.append([f"{len(small)} others, each under 0.5 MB", f"{sum(earlier.get(f, 0) for f in small) / MB:.1f}",
-                  f"{sum(present.get(f, 0) for f in small) / MB:.1f}"])
+    if small:
+        split.append([f"{len(small)} others, each under 0.5 MB", f"{sum(earlier.get(f, 0) for f in small) / MB:.1f}",
+                      f"{sum(present.get(f, 0) for f in small) / MB:.1f}"])
     split.append(["**all**", f"**{sum(earlier.values()) / MB:.1f}**", f"**{sum(present.values()) / MB:.1f}**"])
     return (f"# What a clone costs\n\nThe repository at `{result['commit'][:10]}` ({result['commits']} commits), "
             f"cloned three ways through a `file://` URL on {result['date']} (git {result['git']}). MB = 10^6 bytes; "
