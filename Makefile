@@ -16,7 +16,8 @@ demo: install
 	$(PYTHON) -m inference.demo
 
 test: install
-	$(PYTHON) -m pytest -q
+	@# one pytest worker per core, at most 4 (pytest-xdist): 2 on a 2-core CI machine
+	$(PYTHON) -m pytest -q -n auto --maxprocesses 4
 
 lint:
 	$(PYTHON) -m ruff check griffin training inference benchmarks tests

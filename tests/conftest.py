@@ -34,7 +34,8 @@ from transformers import (
 from griffin.cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
-THREADS = min(2, torch.get_num_threads())
+# two threads for the embedded target, one where pytest-xdist runs a worker per core (make test)
+THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads())
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
