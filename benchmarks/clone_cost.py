@@ -1,7 +1,7 @@
 """What a clone of the repository costs on disk: a full clone, ``--depth 1`` and ``--filter=blob:none``.
 
     python -m benchmarks.clone_cost
-    python -m benchmarks.clone_cost --repo ../other-checkout --out /tmp/clone-cost
+    python -m benchmarks.clone_cost --repo ../other-checkout --out clone-cost-other
 
 Clones ``--repo`` (default: this checkout's committed history; uncommitted changes are not part of it) through a
 ``file://`` URL into a temporary folder, as a user's ``git clone`` of the published repository fetches it, and
