@@ -79,6 +79,26 @@ def test_ablation_report_and_readme_section_count_only_runs_of_the_present_weigh
     assert "[json](../results/mt_bench-smollm2-135m-instruct-griffin-T0.json)" in text
 
 
+def test_committed_reports_are_what_the_committed_runs_and_heads_give(tmp_path, monkeypatch):
+    """ablation.md and the results section of benchmarks/README.md, rebuilt from the committed runs and checkpoints,
+    equal the committed files: a head's new weights committed without a rerun of its rows (whose runs then no
+    longer count) or a result committed without its report fails here."""
+    from benchmarks import ablation, headline
+
+    (tmp_path / "benchmarks").mkdir()  # the repository layout, the committed files linked in, the reports written here
+    (tmp_path / "benchmarks" / "results").symlink_to(ROOT / "benchmarks" / "results")
+    (tmp_path / "checkpoints").symlink_to(ROOT / "checkpoints")
+    readme = tmp_path / "benchmarks" / "README.md"
+    readme.write_text((ROOT / "benchmarks" / "README.md").read_text())
+    monkeypatch.chdir(tmp_path)
+    assert ablation.main(["--replay", "--report", "ablation.md"]) == 0
+    assert Path("ablation.md").read_text() == (ROOT / "benchmarks" / "results" / "ablation.md").read_text(), \
+        "benchmarks/results/ablation.md is stale: python -m benchmarks.ablation --run --replay"
+    assert headline.main([]) == 0
+    assert readme.read_text() == (ROOT / "benchmarks" / "README.md").read_text(), \
+        "the results section of benchmarks/README.md is stale: python -m benchmarks.headline"
+
+
 def test_ablation_from_replays_runs_every_head_at_once_and_pairs_griffin_with_each(tmp_path, monkeypatch):
     from benchmarks import ablation
     from inference import tau
