@@ -1,6 +1,8 @@
 """Progress bars that suit where the output goes: a live bar on a terminal; in a log file (CI, ``nohup``), where a bar
 would write a line per tick, one line when it starts, a status line every ``progress.EVERY`` seconds (done, rate,
-time left and the bar's postfix) and one line when it closes."""
+time left and the bar's postfix) and one line when it closes. A status line's rate is that since the line before it, so
+that a pause (a job stopped with SIGSTOP, a laptop asleep) or a change of pace misleads one line, not the rest of the
+run."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class progress(tqdm):  # noqa: N801 - used like tqdm
         super().__init__(*args, file=out, disable=disable or self.lines, **kwargs)
         self.out, self.started = out, time.perf_counter()
         self.said, self.done, self.first = self.started, float(self.n), float(self.n)  # n: tqdm's initial
+        self.said_worked = 0.0  # items this run had worked on at the last status line
         self.label, self.unit_name = kwargs.get("desc") or "progress", kwargs.get("unit", "it")
         if self.lines:
             if self.total is None and hasattr(self.iterable, "__len__"):
@@ -49,8 +52,8 @@ class progress(tqdm):  # noqa: N801 - used like tqdm
             self.done += n
             now = time.perf_counter()
             if now - self.said >= self.EVERY:
-                self.said = now
-                print(self.status(now - self.started), file=self.out, flush=True)
+                print(self.status(now - self.started, since=now - self.said), file=self.out, flush=True)
+                self.said, self.said_worked = now, self.done - self.first
         return super().update(n)
 
     def skip(self, n: float) -> None:
@@ -68,9 +71,11 @@ class progress(tqdm):  # noqa: N801 - used like tqdm
         self.note = s
         super().set_postfix_str(s, refresh)
 
-    def status(self, elapsed: float) -> str:
-        """``"train: 120/226 upd after 1800 s (0.0667 upd/s, about 1590 s left; loss=...)"``."""
-        rate = (self.done - self.first) / max(elapsed, 1e-9)  # of this run (a resumed bar starts at its initial)
+    def status(self, elapsed: float, since: float) -> str:
+        """``"train: 120/226 upd after 1800 s (0.0667 upd/s, about 1590 s left; loss=...)"``: the rate of the last
+        ``since`` seconds, in items this run worked on (a resumed bar starts at its initial; skipped items don't
+        count)."""
+        rate = (self.done - self.first - self.said_worked) / max(since, 1e-9)
         done = f"{self.done:g}/{self.total:g}" if self.total else f"{self.done:g}"
         left = f", about {(self.total - self.done) / rate:.0f} s left" if self.total and rate > 0 else ""
         note, unit = f"; {self.note}" if self.note else "", self.unit_name

@@ -373,8 +373,8 @@ def test_hugging_face_bars_stay_out_of_a_commands_log_unless_asked_for(imported,
 
 def test_progress_bars_in_a_log_file_write_a_status_line_every_few_minutes(monkeypatch):
     """Where a terminal shows a live bar, a log file gets a status line at most every ``progress.EVERY`` seconds: what
-    is done of the total, the rate of this run (a resumed bar starts at its ``initial``), the time left and the
-    postfix; iterating a bar to its end closes it."""
+    is done of the total, the rate of this run since the line before (a resumed bar starts at its ``initial``), the
+    time left and the postfix; iterating a bar to its end closes it."""
     import io
     import itertools
 
@@ -400,7 +400,18 @@ def test_progress_bars_in_a_log_file_write_a_status_line_every_few_minutes(monke
     bar = module.progress(total=10, desc="regenerate", unit="rec", file=log)
     bar.skip(6)
     bar.update(2)
-    assert "regenerate: 8/10 rec after 200 s (0.01 rec/s, about 200 s left)" in log.getvalue()
+    bar.close()
+    assert log.getvalue().splitlines()[1:3] == ["regenerate: 6/10 rec after 100 s (0 rec/s)",
+                                                "regenerate: 8/10 rec after 200 s (0.02 rec/s, about 100 s left)"]
+    times = iter([0, 100, 200, 300, 3900, 4000, 4100, 4200, 4300, 4400])  # start, 3 items, an hour's pause, 5 items
+    monkeypatch.setattr(module.time, "perf_counter", lambda: next(times))
+    monkeypatch.setattr(module.progress, "EVERY", 250.0)
+    log = io.StringIO()
+    list(module.progress(range(8), desc="features", unit="conv", file=log))
+    lines = log.getvalue().splitlines()  # each line's rate is that since the line before: the pause misleads one
+    assert lines[1:4] == ["features: 3/8 conv after 300 s (0.01 conv/s, about 500 s left)",
+                          "features: 4/8 conv after 3900 s (0.000278 conv/s, about 14400 s left)",
+                          "features: 7/8 conv after 4200 s (0.01 conv/s, about 100 s left)"]
 
 
 @pytest.mark.parametrize("batch", [False, True], ids=["one prompt", "batch of 2"])
