@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=positive_int, default=1, help="epochs (per stage with --progressive)")
     p.add_argument("--max-updates", type=positive_int, default=None, help="stop after this many updates (per stage)")
     p.add_argument("--lr", type=positive_float, default=None,
-                   help="peak learning rate (default: 5e-5 for K=1, else 3e-5)")
+                   help="peak learning rate (default: 5e-5 for K=1 and for --ttt-steps, else 3e-5)")
     p.add_argument("--warmup", type=nonnegative_int, default=None, help="warm-up updates (default: 3%% of the run)")
     p.add_argument("--batch-size", type=positive_int, default=4, help="conversations per process per update")
     p.add_argument("--max-len", type=_max_len, default=None, help="truncate conversations (default: the store's)")
