@@ -200,6 +200,11 @@ def test_export_writes_fp16_weights_and_a_card(tmp_path, tiny_target_dir):
     (results / "mt_bench-tiny-griffin-T0.json").write_text(json.dumps(fake_result("mt_bench", "x", 0.0, 3.1,
                                                                                   weights_digest(dst))))
     (results / "gsm8k-tiny-griffin-T0.json").write_text(json.dumps(fake_result("gsm8k", "x", 0.0, 9.0, "earlier")))
+    tagged = fake_result("humaneval", "tiny-griffin-lookup10", 0.0, 4.2, weights_digest(dst))  # `--tag lookup10`
+    tagged["tree"]["lookup"] = 10
+    (results / "humaneval-tiny-griffin-lookup10-T0.json").write_text(json.dumps(tagged))
+    other = fake_result("humaneval", "tiny-griffin-k1", 0.0, 7.7, "another head")  # a folder name with this prefix
+    (results / "humaneval-tiny-griffin-k1-T0.json").write_text(json.dumps(other))
     assert export.main([str(src), str(dst), "--name", "GRIFFIN", "--results", str(results)]) == 0  # refresh the card
     assert DraftModel.from_pretrained(dst).config == head.config
     from safetensors import safe_open
@@ -209,7 +214,9 @@ def test_export_writes_fp16_weights_and_a_card(tmp_path, tiny_target_dir):
     card = (dst / "README.md").read_text()
     assert card.startswith("# GRIFFIN draft head for tiny") and "| 1 | 0.50 | 0.70 | 1.00 | 1.00 |" in card
     assert "3.10" in card and "python -m inference.speed mt_bench" in card
+    assert "| humaneval | 0.00 | fp32 | 80 | 128 | 24 nodes, depth 5 + lookup 10 | 4.20 |" in card  # a tagged run
     assert "9.00" not in card and "gsm8k" not in card  # a run of an earlier head exported to the same folder
+    assert "7.70" not in card  # nor another head's
 
 
 @pytest.mark.parametrize("lookup", ["0", "4"])

@@ -13,9 +13,10 @@ vocabulary is expanded to the target's full lm_head (no ``d2t`` mapping is writt
 ``griffin3`` head is refused (its Token-Guided Fusion and dual heads have no place there).
 
 The card is rebuilt from the files alone: the training run (``validation.json``), and every speed run of this head
-found under ``benchmarks/results`` (files named ``<bench>-<head folder name>-T<temp>.json`` whose ``draft_digest`` is
-the exported weights': runs of an earlier head exported to the same folder are left out). Rerun after new speed runs
-to refresh it.
+found under ``benchmarks/results`` (files named ``<bench>-<head folder name>[-<tag>]-T<temp>.json`` whose
+``draft_digest`` is the exported weights': runs of an earlier head exported to the same folder, and of other heads
+whose folder name starts with this one's, are left out). Rerun after new speed runs to refresh it: with the head's
+own folder as both source and destination the weights are left as they are.
 """
 
 from __future__ import annotations
@@ -194,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     if src.resolve() != dst.resolve():
         atomic_write(dst / VALIDATION, lambda path: shutil.copyfile(src / VALIDATION, path))
         atomic_write_json(dst / STAGES, stages)
-    files = [f for folder in args.results for f in Path(folder).glob(f"*-{dst.name}-T*.json")]
+    # untagged runs and those of `inference.speed --tag` (the headline runs: `<bench>-<name>-lookup10-T0.json`)
+    files = [f for folder in args.results for f in Path(folder).glob(f"*-{dst.name}-*T*.json")]
     found = [json.loads(f.read_text()) for f in files]
     digest = weights_digest(dst)
     results = sorted((r for r in found if r.get("draft_digest") == digest),
@@ -204,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_text(dst / "README.md", text)
     other = len(found) - len(results)
     print(f"exported {src} -> {dst} in the {args.format} layout ({len(results)} speed runs in the card"
-          + (f"; {other} of other weights left out" if other else "") + ")")
+          + (f"; {other} of other weights under this name left out" if other else "") + ")")
     return 0
 
 
