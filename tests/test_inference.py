@@ -205,6 +205,17 @@ def test_export_writes_fp16_weights_and_a_card(tmp_path, tiny_target_dir):
     (results / "humaneval-tiny-griffin-lookup10-T0.json").write_text(json.dumps(tagged))
     other = fake_result("humaneval", "tiny-griffin-k1", 0.0, 7.7, "another head")  # a folder name with this prefix
     (results / "humaneval-tiny-griffin-k1-T0.json").write_text(json.dumps(other))
+    per_prompt = [{"question_id": q, "turn": 0, "ours": {"new_tokens": n}, "cycles": 10} for q, n in ((1, 20), (2, 30))]
+    replay = {"bench": "extra_tasks", "tree": {"depth": 5, "top_k": 8, "total_tokens": 24}, "draft_dtype": "float32",
+              "machine": {"date": "2026-11-30 07:00 UTC"}, "command": "python -m inference.tau --bench extra_tasks",
+              "head_digests": {"tiny-griffin": weights_digest(dst), "eagle": "another head"},
+              "heads": {"tiny-griffin": {"0": {"per_prompt": per_prompt}}, "eagle": {"0": {"per_prompt": []}}}}
+    (results / "tau-extra_tasks-T0.json").write_text(json.dumps(replay))
+    for name, date, prompts in (("later", "2026-12-01", 2), ("earlier", "2026-11-29", 1)):  # the same replay again,
+        # in a later study and on fewer prompts: the first on the most prompts gives the row
+        again = {**replay, "machine": {"date": f"{date} 07:00 UTC"}, "heads": {"tiny-griffin": {"0": {
+            "per_prompt": per_prompt[:prompts]}}}}
+        (results / f"tau-extra_tasks-T0-{name}.json").write_text(json.dumps(again))
     assert export.main([str(src), str(dst), "--name", "GRIFFIN", "--results", str(results)]) == 0  # refresh the card
     assert DraftModel.from_pretrained(dst).config == head.config
     from safetensors import safe_open
@@ -217,6 +228,8 @@ def test_export_writes_fp16_weights_and_a_card(tmp_path, tiny_target_dir):
     assert "| humaneval | 0.00 | fp32 | 80 | 128 | 24 nodes, depth 5 + lookup 10 | 4.20 |" in card  # a tagged run
     assert "9.00" not in card and "gsm8k" not in card  # a run of an earlier head exported to the same folder
     assert "7.70" not in card  # nor another head's
+    assert "| extra_tasks | 0.00 | 2 | 24 nodes, depth 5 | float32 | 2.50 ± 0.50 | 2026-11-30 07:00 UTC |" in card
+    assert "| extra_tasks | 0.00 | 1 |" not in card and "python -m inference.tau --bench extra_tasks" in card
 
 
 @pytest.mark.parametrize("lookup", ["0", "4"])

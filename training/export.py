@@ -15,8 +15,9 @@ vocabulary is expanded to the target's full lm_head (no ``d2t`` mapping is writt
 The card is rebuilt from the files alone: the training run (``validation.json``), and every speed run of this head
 found under ``benchmarks/results`` (files named ``<bench>-<head folder name>[-<tag>]-T<temp>.json`` whose
 ``draft_digest`` is the exported weights': runs of an earlier head exported to the same folder, and of other heads
-whose folder name starts with this one's, are left out). Rerun after new speed runs to refresh it: with the head's
-own folder as both source and destination the weights are left as they are.
+whose folder name starts with this one's, are left out), and every offline τ replay of these weights there
+(``inference.tau`` files ``tau-*.json``, as the ablation writes them, matched by ``head_digests``). Rerun after new
+runs to refresh it: with the head's own folder as both source and destination the weights are left as they are.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING
 from griffin.cli import run_cli
 from griffin.hub import model_argument
 from griffin.io import atomic_write, atomic_write_json, atomic_write_text, read_json, weights_digest
-from griffin.report import fastest_plain, markdown_table, tree_text
+from griffin.report import fastest_plain, markdown_table, pooled_tau, tree_text
 
 if TYPE_CHECKING:
     from griffin.draft import DraftModel
@@ -91,8 +92,29 @@ def layout_text(head: DraftModel, fmt: str, dtype: str) -> list[str]:
             f"as `embed_tokens.weight`, weights in {dtype}; {readers}. {vocab}", ""]
 
 
+def replays(folders: list[str], digest: str) -> list[dict]:
+    """The offline τ replays of the weights with ``digest`` among the ``tau-*.json`` files of ``folders``: one row per
+    bench, temperature, tree and drafting dtype, from the file that measured it on the most prompts, the first of
+    those (the same weights replay alike: later studies that replay them beside other heads leave the card as it
+    is)."""
+    best: dict[tuple, dict] = {}
+    for path in sorted(f for folder in folders for f in Path(folder).glob("tau-*.json")):
+        run = json.loads(path.read_text())
+        for head, head_digest in run.get("head_digests", {}).items():
+            if head_digest != digest:
+                continue
+            for temperature, scored in run["heads"][head].items():
+                row = {"bench": run["bench"], "temperature": float(temperature), "tree": run["tree"],
+                       "draft_dtype": run.get("draft_dtype", "-"), **pooled_tau(scored["per_prompt"]),
+                       "date": run["machine"]["date"], "command": run["command"]}
+                key = (row["bench"], row["temperature"], tree_text(row["tree"]), row["draft_dtype"])
+                if key not in best or (-row["n_prompts"], row["date"]) < (-best[key]["n_prompts"], best[key]["date"]):
+                    best[key] = row
+    return [best[k] for k in sorted(best)]
+
+
 def card(name: str, dst: Path, head: DraftModel, report: dict, results: list[dict], stages: list[dict],
-         notes: str = "", fmt: str = "griffin", dtype: str = "fp16") -> str:
+         notes: str = "", fmt: str = "griffin", dtype: str = "fp16", replayed: list[dict] = ()) -> str:
     cfg = head.config
     run = report["run"]
     lines = [
@@ -132,6 +154,16 @@ def card(name: str, dst: Path, head: DraftModel, report: dict, results: list[dic
                                      "speedup vs fastest plain", "speedup vs HF generate", "identical", "measured"],
                                     rows))
         commands = dict.fromkeys(r["command"] for r in results)  # in order, once (`--bench all` writes several)
+        lines += ["Commands:", ""] + [f"- `{c}`" for c in commands] + [""]
+    if replayed:
+        lines += ["## Acceptance length on a fixed tree (offline replay)", "",
+                  "`inference.tau` replays the engine's cycles against the target's stored greedy continuations: no "
+                  "timing, the same tree for every head. τ pooled over the prompts, ± its standard error.", ""]
+        lines.append(markdown_table(["bench", "T", "prompts", "tree", "drafting", "τ", "measured"],
+                                    [[r["bench"], r["temperature"], r["n_prompts"], tree_text(r["tree"]),
+                                      r["draft_dtype"], f"{r['tau']:.2f} ± {r['se']:.2f}", r["date"]]
+                                     for r in replayed]))
+        commands = dict.fromkeys(r["command"] for r in replayed)
         lines += ["Commands:", ""] + [f"- `{c}`" for c in commands] + [""]
     lines += ["## Use", "", "```python", "from griffin import SpecGenerator",
               f'gen = SpecGenerator.from_pretrained("{cfg.target.get("name")}", "{dst.as_posix()}")', "```", ""]
@@ -201,11 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     digest = weights_digest(dst)
     results = sorted((r for r in found if r.get("draft_digest") == digest),
                      key=lambda r: (r["bench"], r["temperature"], r.get("dtype", "fp32"), r["tree"]["total_tokens"]))
+    replayed = replays(args.results, digest)
     text = card(args.name or head.config.arch, dst, head, report, results, stages, args.notes, args.format,
-                args.dtype)
+                args.dtype, replayed)
     atomic_write_text(dst / "README.md", text)
     other = len(found) - len(results)
-    print(f"exported {src} -> {dst} in the {args.format} layout ({len(results)} speed runs in the card"
+    print(f"exported {src} -> {dst} in the {args.format} layout ({len(results)} speed runs and {len(replayed)} "
+          "replays in the card"
           + (f"; {other} of other weights under this name left out" if other else "") + ")")
     return 0
 
