@@ -26,6 +26,7 @@ import argparse
 import json
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -103,7 +104,7 @@ def replays(folders: list[str], digest: str) -> list[dict]:
         for head, head_digest in run.get("head_digests", {}).items():
             if head_digest != digest:
                 continue
-            for temperature, scored in run["heads"][head].items():
+            for temperature, scored in run.get("heads", {}).get(head, {}).items():
                 row = {"bench": run["bench"], "temperature": float(temperature), "tree": run["tree"],
                        "draft_dtype": run.get("draft_dtype", "-"), **pooled_tau(scored["per_prompt"]),
                        "date": run["machine"]["date"], "command": run["command"]}
@@ -114,7 +115,7 @@ def replays(folders: list[str], digest: str) -> list[dict]:
 
 
 def card(name: str, dst: Path, head: DraftModel, report: dict, results: list[dict], stages: list[dict],
-         notes: str = "", fmt: str = "griffin", dtype: str = "fp16", replayed: list[dict] = ()) -> str:
+         notes: str = "", fmt: str = "griffin", dtype: str = "fp16", replayed: Sequence[dict] = ()) -> str:
     cfg = head.config
     run = report["run"]
     lines = [
