@@ -29,7 +29,9 @@ class DraftConfig:
     """A Llama-style one-layer config plus the fields that describe the head and the target it was trained for.
 
     ``intermediate_size`` is the decoder layer's MLP width; ``tgf_intermediate_size`` the width of Token-Guided
-    Fusion's expansion (GRIFFIN only). ``draft_vocab_size`` > 0 restricts the head's logits to that many target tokens
+    Fusion's expansion (GRIFFIN only). ``tgf`` and ``dual_heads`` are GRIFFIN's two draft-model parts, both on by
+    default for the griffin archs and off for the EAGLE ones; turning one off gives the ablation heads that say which
+    part pays. ``draft_vocab_size`` > 0 restricts the head's logits to that many target tokens
     (ids stored with the weights), which makes drafting cheaper without affecting losslessness; ``context_vocab``
     adds the tokens of the current context to that set (the head is trained that way too).
     """
@@ -40,6 +42,8 @@ class DraftConfig:
     num_key_value_heads: int
     vocab_size: int
     arch: str = "griffin"
+    tgf: bool | None = None  # Token-Guided Fusion (None: the arch's default)
+    dual_heads: bool | None = None  # separate predict and regress features (None: the arch's default)
     head_dim: int | None = None
     tgf_intermediate_size: int | None = None
     rms_norm_eps: float = 1e-6
@@ -75,7 +79,19 @@ class DraftConfig:
                              f"{self.num_attention_heads}: set head_dim")
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.is_griffin and self.tgf_intermediate_size is None:
+        for part in ("tgf", "dual_heads"):
+            value = getattr(self, part)
+            if value is None:
+                setattr(self, part, self.is_griffin)
+            elif not isinstance(value, bool):
+                raise ValueError(f"field {part!r} must be true, false or null, got {value!r}")
+            elif value and not self.is_griffin:
+                raise ValueError(f"field {part!r} is a part of the griffin archs, not of {self.arch!r}: use "
+                                 f"arch={'griffin3' if self.fused else 'griffin'}")
+        if self.is_griffin and not (self.tgf or self.dual_heads):
+            raise ValueError(f"a {self.arch} head without Token-Guided Fusion and dual heads is an "
+                             f"{'eagle3' if self.fused else 'eagle'} head: use that arch")
+        if self.tgf and self.tgf_intermediate_size is None:
             self.tgf_intermediate_size = self.intermediate_size
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
@@ -100,8 +116,16 @@ class DraftConfig:
 
     @property
     def is_griffin(self) -> bool:
-        """Token-Guided Fusion and dual heads (``griffin``, and ``griffin3`` on the EAGLE-3 base)."""
+        """A GRIFFIN arch (``griffin``, and ``griffin3`` on the EAGLE-3 base): Token-Guided Fusion and dual heads,
+        unless ``tgf`` or ``dual_heads`` turns one off."""
         return self.arch in ("griffin", "griffin3")
+
+    @property
+    def parts_ablated(self) -> list[str]:
+        """The GRIFFIN parts this griffin-arch head was built without (empty for a full head and the EAGLE archs)."""
+        if not self.is_griffin:
+            return []
+        return [name for name, on in (("Token-Guided Fusion", self.tgf), ("dual heads", self.dual_heads)) if not on]
 
     @property
     def fused(self) -> bool:

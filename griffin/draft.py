@@ -85,7 +85,7 @@ class FusedFeatures(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.fc = nn.Linear(3 * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
-        self.tgf = TokenGuidedFusion(cfg) if cfg.is_griffin else None
+        self.tgf = TokenGuidedFusion(cfg) if cfg.tgf else None
 
     def forward(self, e: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
         h = self.fc(f) if f.shape[-1] == self.fc.in_features else f
@@ -147,9 +147,9 @@ class DecoderLayer(nn.Module):
         self.fused = cfg.fused
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        out = 2 * cfg.hidden_size if cfg.is_griffin else cfg.hidden_size
+        out = 2 * cfg.hidden_size if cfg.dual_heads else cfg.hidden_size
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, out)
-        self.dual = cfg.is_griffin
+        self.dual = cfg.dual_heads
 
     def split(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused input [.., H] or [.., 2H] -> (attention input, residual)."""
@@ -171,7 +171,7 @@ class DraftModel(nn.Module):
         if config.fused:
             self.fusion = FusedFeatures(config)
         else:
-            self.fusion = TokenGuidedFusion(config) if config.is_griffin else EagleFusion(config)
+            self.fusion = TokenGuidedFusion(config) if config.tgf else EagleFusion(config)
         self.layer = DecoderLayer(config)
         self.rotary = LlamaRotaryEmbedding(config.to_llama_config())
         # the fused archs' own final norm and lm_head over the draft vocabulary (the others share the target's)
@@ -299,7 +299,7 @@ class DraftModel(nn.Module):
         if queries is not None:
             r = r.gather(1, queries[..., None].expand(-1, -1, r.shape[2]))
         out = self.layer.finish(r)
-        predict, regress = out.chunk(2, dim=-1) if self.config.is_griffin else (out, out)
+        predict, regress = out.chunk(2, dim=-1) if self.config.dual_heads else (out, out)
         if self.norm is not None:  # the fused archs: predict normed for the own lm_head, regress fed back pre-norm
             predict = self.norm(predict)
         return DraftOutput(predict, regress, k_new, v_new)

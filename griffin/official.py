@@ -169,6 +169,9 @@ def _eagle3_layers(raw: dict[str, Any], target_config) -> list[int] | None:
 def official_state(head, embed: torch.Tensor) -> dict[str, torch.Tensor]:
     """This package's head -> the official key names, plus the target's input embedding [V, H] as
     ``embed_tokens.weight``. The draft vocabulary (if any) is dropped: the official layout has none."""
+    if head.config.parts_ablated:
+        raise ValueError(f"this head was built without {' and '.join(head.config.parts_ablated)}, which the official "
+                         "GRIFFIN layout always has: an ablation head is served by this package only")
     inverse = {ours: theirs for theirs, ours in (GRIFFIN_KEYS if head.config.is_griffin else EAGLE_KEYS).items()}
     state = {k: v for k, v in head.state_dict().items() if k != "draft_vocab"}
     unmapped = sorted(set(state) - set(inverse))

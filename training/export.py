@@ -64,9 +64,13 @@ def layout_text(head: DraftModel, fmt: str, dtype: str) -> list[str]:
     """The card's paragraph on the checkpoint's layout."""
     cfg = head.config
     size = f"`{cfg.arch}` ({head.num_parameters() / 1e6:.2f} M parameters"
+    if cfg.parts_ablated:
+        size += f"; an ablation head, built without {' and '.join(cfg.parts_ablated)}"
     if fmt == "griffin" and cfg.fused:
+        kept = " and ".join(name for name, on in (("Token-Guided Fusion", cfg.tgf), ("dual heads", cfg.dual_heads))
+                            if on)
         serving = ("vLLM and SGLang serve the `eagle3` arch from `--format eagle3`" if cfg.arch == "eagle3" else
-                   "vLLM and SGLang cannot run its Token-Guided Fusion and dual heads, so it has no EAGLE-3 export: "
+                   f"vLLM and SGLang cannot run its {kept}, so it has no EAGLE-3 export: "
                    "serve it with this package")
         return [f"Architecture {size}; reads the inputs of target layers {cfg.feature_layers} fused by `fc`, scores "
                 f"a draft vocabulary of {cfg.output_vocab_size} tokens with its own norm and lm_head; the target's "

@@ -34,12 +34,25 @@ def save_state(acc: Accelerator, out: Path, name: str, progress: dict) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load_state(acc: Accelerator, out: Path, name: str) -> dict | None:
-    """Restore the states saved by :func:`save_state`; -> their ``progress``, or None when there are none."""
+def saved_folder(out: Path, name: str) -> Path | None:
+    """The folder :func:`save_state` left in ``out``, or None when there is none."""
     state = out / name
     if not state.is_dir() and (out / f".{name}.old").is_dir():
         state = out / f".{name}.old"  # killed between the two renames of save_state
-    if not state.is_dir():
+    return state if state.is_dir() else None
+
+
+def saved_progress(out: Path, name: str) -> dict | None:
+    """The ``progress`` of the state saved in ``out``, read without restoring anything (to check a resume's settings
+    before its weights meet a model of another shape), or None when there is none."""
+    state = saved_folder(out, name)
+    return None if state is None else json.loads((state / "progress.json").read_text())
+
+
+def load_state(acc: Accelerator, out: Path, name: str) -> dict | None:
+    """Restore the states saved by :func:`save_state`; -> their ``progress``, or None when there are none."""
+    state = saved_folder(out, name)
+    if state is None:
         log.info("no saved state in %s: starting from scratch", out)
         return None
     acc.load_state(str(state))

