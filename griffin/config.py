@@ -121,11 +121,14 @@ class DraftConfig:
         return self.arch in ("griffin", "griffin3")
 
     @property
+    def griffin_parts(self) -> dict[str, bool]:
+        """GRIFFIN's draft-model parts -> whether this head has each."""
+        return {"Token-Guided Fusion": self.tgf, "dual heads": self.dual_heads}
+
+    @property
     def parts_ablated(self) -> list[str]:
         """The GRIFFIN parts this griffin-arch head was built without (empty for a full head and the EAGLE archs)."""
-        if not self.is_griffin:
-            return []
-        return [name for name, on in (("Token-Guided Fusion", self.tgf), ("dual heads", self.dual_heads)) if not on]
+        return [name for name, on in self.griffin_parts.items() if not on] if self.is_griffin else []
 
     @property
     def fused(self) -> bool:

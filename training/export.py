@@ -67,8 +67,7 @@ def layout_text(head: DraftModel, fmt: str, dtype: str) -> list[str]:
     if cfg.parts_ablated:
         size += f"; an ablation head, built without {' and '.join(cfg.parts_ablated)}"
     if fmt == "griffin" and cfg.fused:
-        kept = " and ".join(name for name, on in (("Token-Guided Fusion", cfg.tgf), ("dual heads", cfg.dual_heads))
-                            if on)
+        kept = " and ".join(name for name, on in cfg.griffin_parts.items() if on)
         serving = ("vLLM and SGLang serve the `eagle3` arch from `--format eagle3`" if cfg.arch == "eagle3" else
                    f"vLLM and SGLang cannot run its {kept}, so it has no EAGLE-3 export: "
                    "serve it with this package")

@@ -18,9 +18,10 @@ tree, MT-Bench T=0 (``inference.tau``, paired per prompt). Writes ``parts/<arm>-
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from factorial import SETS, SHAREGPT, reach, run  # the sibling study (this folder is on sys.path when run)
 
 from griffin.draft import DraftModel
 from griffin.io import atomic_write_json
@@ -29,7 +30,6 @@ from griffin.report import machine_info, markdown_table, paired_difference, pool
 HERE = Path("benchmarks/results/recipe3-tau")  # run from the repository root: the paths below are relative to it
 OUT = HERE / "parts"
 WORK = Path("work/parts")
-SHAREGPT = Path("work/features-sharegpt-3layers")  # the recipe's shared store (training.recipe --generation 3)
 SHARD = 52  # the first shard of chunk 26, the recipe's chunk when this study ran
 ARMS = {  # name -> (arch, extra training flags, Token-Guided Fusion, dual heads)
     "eagle3": ("eagle3", [], False, False),
@@ -37,16 +37,10 @@ ARMS = {  # name -> (arch, extra training flags, Token-Guided Fusion, dual heads
     "dual": ("griffin3", ["--no-tgf"], False, True),
     "griffin3": ("griffin3", [], True, True),
 }
-SETS = ("sharegpt", "regen")
 TRAIN = ["--topk", "0", "--ttt-steps", "7", "--lr", "1e-3", "--epochs", "1", "--batch-size", "4", "--draft-vocab",
          "8192", "--mixed-precision", "no", "--save-every", "20"]
 TAU = ["--bench", "mt_bench", "--temperatures", "0", "--max-new-tokens", "128", "--depth", "5", "--top-k", "8",
        "--total-tokens", "24", "--draft-dtype", "fp32"]
-
-
-def run(args: list[str]) -> None:
-    print("$ python " + " ".join(args), flush=True)
-    subprocess.run([sys.executable, *args], check=True)
 
 
 def features() -> Path:
@@ -93,11 +87,6 @@ def train(arms: list[str]) -> None:
         for name in SETS:
             if not (OUT / f"{arm}-{name}.json").is_file():
                 run(evaluate_args(arm, name))
-
-
-def reach(scores: dict) -> float:
-    """kept x top-1 of one pass (no position kept: none reached; evaluate reports its top-1 as None)."""
-    return scores["kept"] * (scores["top1"] or 0.0)
 
 
 def scored(arm: str) -> bool:
