@@ -18,11 +18,9 @@ import sys
 from pathlib import Path
 
 from griffin.cli import run_cli
-from griffin.io import atomic_write_text, weights_digest
-from griffin.report import fastest_plain, markdown_table, result_stem, tree_text
+from griffin.io import weights_digest
+from griffin.report import fastest_plain, fill_section, markdown_table, result_stem, tree_text
 from inference.questions import BENCHES
-
-START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 
 def peer_text(r: dict) -> str:
@@ -182,15 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoints", default="checkpoints", help="the folder of the head")
     args = p.parse_args(argv)
     readme = Path(args.readme)
-    text = readme.read_text()
-    if START not in text or END not in text:
-        raise ValueError(f"{readme} has no {START} ... {END} section to fill")
-    before, rest = text.split(START, 1)
-    _, after = rest.split(END, 1)
     results, stale = section(Path(args.results), args.head, Path(args.checkpoints))
     link = Path(os.path.relpath(args.results, readme.resolve().parent)).as_posix()  # the results folder from the readme
     results = results.replace(f"]({Path(args.results).as_posix()}/", f"]({link}/")
-    atomic_write_text(readme, before + START + "\n" + results + END + after)
+    fill_section(readme, "results", results)
     if stale:
         print(f"left out {len(stale)} runs of other weights than {Path(args.checkpoints) / args.head}'s: "
               f"{', '.join(stale)}")

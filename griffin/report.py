@@ -68,6 +68,18 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fill_section(path: str | Path, name: str, body: str) -> None:
+    """Rewrite the text between ``<!-- name:start -->`` and ``<!-- name:end -->`` in the markdown file ``path``."""
+    path = Path(path)
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    text = path.read_text()
+    if start not in text or end not in text:
+        raise ValueError(f"{path} has no {start} ... {end} section to fill")
+    before, rest = text.split(start, 1)
+    _, after = rest.split(end, 1)
+    atomic_write_text(path, before + start + "\n" + body + end + after)
+
+
 def result_stem(bench: str, tag: str, temperature: float, dtype: str) -> str:
     """``<bench>-<draft>-T<temp>``, with ``-bf16`` for a bf16 target (fp32 runs keep the plain name)."""
     return f"{bench}-{tag}-T{temperature:g}" + ("" if dtype == "fp32" else f"-{dtype}")

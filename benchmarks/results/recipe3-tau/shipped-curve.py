@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy
 
-from griffin.report import markdown_table, paired_difference, pooled_tau, write_benchmark
+from griffin.report import fill_section, markdown_table, paired_difference, pooled_tau, write_benchmark
 
 HERE = Path("benchmarks/results/recipe3-tau")  # run from the repository root: the paths below are relative to it
 WORK = Path("work/shipped-curve")
@@ -146,6 +146,58 @@ def chunk_of(where: str, path: Path) -> int:
     return int(suffix) if suffix.isdigit() else int(path.stem.split("-")[1])
 
 
+def taus_of(files: list[tuple[Path, dict]], n: int) -> dict[tuple[str, int], tuple[float, float, str]]:
+    """(lineage, chunk) -> τ, its standard error and the file, over the files of ``n`` prompts."""
+    taus = {}
+    for path, result in files:
+        if result["n_prompts"]["0"] != n:
+            continue
+        for name in result["heads"]:
+            where = result.get("head_paths", {}).get(name, name)  # a head measured alone is named by its last folder
+            if (line := gen3_line(where)) is not None:
+                taus[(line, chunk_of(where, path))] = (*tau_of(result, name), path.stem)
+    return taus
+
+
+def signed(d: dict | None) -> str | None:
+    """A paired difference as the README prints it (a true minus sign)."""
+    return None if d is None else f"{d['diff']:+.3f} ± {d['se']:.3f}".replace("-", "−")
+
+
+def readme_tables(files: list[tuple[Path, dict]], paired80: list[dict], paired160: list[dict]) -> str:
+    """The README's curve section: τ after each chunk on the 80 and the 160 prompts, and fixed-set top-1, from the
+    chunk files and ``recipe.json`` (tokens, learning rates, data of each chunk)."""
+    record = json.loads(Path("checkpoints/smollm2-135m-instruct-recipe3/recipe.json").read_text())
+    kind = {t["chunk"]: {"sharegpt": "ShareGPT", "regen": "answers"}[t["kind"]] for t in record["timings"]}
+    point = {(p["head"], p["chunk"]): p for p in record["curve"]}
+    tau80, tau160 = taus_of(files, 80), taus_of(files, 160)
+    gap80, gap160 = ({r["chunk"]: r.get("gap") for r in rows} for rows in (paired80, paired160))
+
+    def tau(taus: dict, line: str, chunk: int) -> str | None:
+        return f"{taus[(line, chunk)][0]:.2f} ± {taus[(line, chunk)][1]:.2f}" if (line, chunk) in taus else None
+
+    def top1(line: str, chunk: int) -> str:
+        fixed = point[(line, chunk)]["fixed"]
+        return " / ".join(f"{next(p['top1'] for p in fixed[s] if p['pass'] == 1):.3f}" for s in ("sharegpt", "regen"))
+
+    chunks = sorted({c for _, c in tau80})
+    curve = markdown_table(
+        ["after chunk", "data", "tokens seen", "peak lr", "eagle3 τ", "griffin3 τ", "eagle3 − griffin3, paired",
+         "fixed-set top-1 eagle3, ShareGPT / answers", "griffin3"],
+        [[c, kind[c], f"{point[('eagle3', c)]['tokens_seen']:,}", f"{point[('eagle3', c)]['lr']:.1e}",
+          tau(tau80, "eagle3", c), tau(tau80, "griffin3", c), signed(gap80.get(c)), top1("eagle3", c),
+          top1("griffin3", c)] for c in chunks])
+    chunks160 = sorted({c for _, c in tau160})
+    all160 = markdown_table(
+        ["after chunk", "eagle3 τ", "griffin3 τ", "eagle3 − griffin3, paired", "files"],
+        [[c, tau(tau160, "eagle3", c), tau(tau160, "griffin3", c), signed(gap160.get(c)),
+          ", ".join(f"[{f}]({f}.md)" for f in sorted({tau160[(ln, c)][2] for ln in ("eagle3", "griffin3")
+                                                       if (ln, c) in tau160}))] for c in chunks160])
+    return (curve + "\nFixed-set top-1: pass 1 of the training-time test on the recipe's held-out ShareGPT "
+            "conversations and answers (`fixed` in recipe.json).\n\nOn all 160 prompts, the issue's measure:\n\n"
+            + all160)
+
+
 def table() -> None:
     curve = json.loads(Path("benchmarks/results/recipe/recipe.json").read_text())["curve"]
     shipped = json.loads((HERE / "shipped-curve.json").read_text())
@@ -157,18 +209,11 @@ def table() -> None:
                                                "tau": tau, "se": se, "file": "shipped-curve.json"})
     recipe3 = json.loads(Path("checkpoints/smollm2-135m-instruct-recipe3/recipe.json").read_text())["curve"]
     files = [(path, json.loads(path.read_text())) for path in sorted(HERE.glob("chunk*.json"), key=lambda p: p.name)]
-    for path, result in files:
-        if result["n_prompts"]["0"] != 80:  # the curve's measure: 40 questions (chunk-*-160 took all 160 prompts)
-            continue
-        for name in result["heads"]:
-            where = result.get("head_paths", {}).get(name, name)  # a head measured alone is named by its last folder
-            if (line := gen3_line(where)) is None:
-                continue
-            chunk = chunk_of(where, path)
-            tokens = next(p["tokens_seen"] for p in recipe3 if p["head"] == line and p["chunk"] == chunk)
-            tau, se = tau_of(result, name)
-            lines.setdefault(line, []).append({"chunks": chunk + 1, "tokens": tokens, "tau": tau, "se": se,
-                                               "file": path.name})
+    # the curve's measure: 40 questions (chunk-*-160 took all 160 prompts)
+    for (line, chunk), (tau, se, stem) in taus_of(files, 80).items():
+        tokens = next(p["tokens_seen"] for p in recipe3 if p["head"] == line and p["chunk"] == chunk)
+        lines.setdefault(line, []).append({"chunks": chunk + 1, "tokens": tokens, "tau": tau, "se": se,
+                                           "file": f"{stem}.json"})
     for pts in lines.values():
         pts.sort(key=lambda p: p["tokens"])
     slopes = {line: slope([(p["tokens"], p["tau"]) for p in pts]) for line, pts in lines.items()}
@@ -197,6 +242,7 @@ def table() -> None:
             + paired_table(paired160, "all 160 prompts (the issue's measure)")
             + "\nCommand: `python benchmarks/results/recipe3-tau/shipped-curve.py --table`\n\n"
             "![τ against tokens seen](tau-curve.png)\n")
+    fill_section(HERE / "README.md", "curve", readme_tables(files, paired80, paired160))
     write_benchmark(HERE, "tau-curve", {"lines": lines, "slopes": slopes, "fit_from": FIT_FROM,
                                           "paired": {"80": paired80, "160": paired160}}, text)
     plot(lines, slopes)
