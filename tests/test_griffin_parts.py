@@ -121,3 +121,36 @@ def test_train_builds_resumes_and_refuses_ablation_heads(tmp_path, tiny_target_d
         code, err = run_main("training.train", *train, *flags, "--out", str(tmp_path / "y"))
         assert code == 2 and err.strip().endswith(message)
     assert not (tmp_path / "y").exists()  # refused before any folder is made
+
+
+def test_train_widens_the_draft_layer_alone_to_match_a_larger_head(tmp_path, tiny_target_dir):
+    """``--intermediate-size``: an eagle3 head as large as a griffin3 one (the control that tells Token-Guided
+    Fusion's guidance from its width). The decoder layer's MLP widens, TGF keeps the target's width, and a resume or
+    an --init-from of another width is refused."""
+    data = write_data(tmp_path / "data.json", conversations(8))
+    store = tmp_path / "layered"
+    common = ["--target", str(tiny_target_dir), "--data", data, "--max-len", "128"]
+    assert run_main("training.build_features", "--out", str(store), "--feature-layers", "auto", *common)[0] == 0
+    train = ["--features", str(store), "--batch-size", "2", "--ttt-steps", "2", "--topk", "0", "--max-updates", "1",
+             "--save-every", "1"]
+    target_width = json.loads((tiny_target_dir / "config.json").read_text())["intermediate_size"]
+    sizes = {}
+    for arch in ("eagle3", "griffin3"):
+        out = tmp_path / arch
+        code, err = run_main("training.train", *train, "--arch", arch, "--intermediate-size", "96", "--out", str(out))
+        assert code == 0, err
+        model = DraftModel.from_pretrained(out)
+        assert model.layer.mlp.up_proj.out_features == model.config.intermediate_size == 96 != target_width
+        assert json.loads((out / "validation.json").read_text())["run"]["intermediate_size"] == 96
+        sizes[arch] = model.num_parameters()
+        if arch == "griffin3":
+            assert model.fusion.tgf.up.out_features == model.config.tgf_intermediate_size == target_width
+    narrow = tmp_path / "narrow"
+    assert run_main("training.train", *train, "--arch", "eagle3", "--out", str(narrow))[0] == 0
+    assert DraftModel.from_pretrained(narrow).num_parameters() < sizes["eagle3"] < sizes["griffin3"]
+    (tmp_path / "eagle3" / "validation.json").unlink()
+    code, err = run_main("training.train", *train, "--arch", "eagle3", "--out", str(tmp_path / "eagle3"), "--resume")
+    assert code == 2 and "intermediate_size: 96 then, None now" in err
+    code, err = run_main("training.train", *train, "--arch", "eagle3", "--init-from", str(narrow),
+                         "--intermediate-size", "96", "--out", str(tmp_path / "x"))
+    assert code == 2 and "has an MLP width of" in err and "--intermediate-size is 96" in err

@@ -251,7 +251,7 @@ def test_train_init_from_and_reference_take_hub_ids(offline):
 
     target_head = load_target_head(TARGET)
     draft = build_head(Namespace(init_from=f"{HEAD}@v2", arch="griffin", draft_vocab=None, no_tgf=False,
-                                 no_dual_heads=False), None, target_head)
+                                 no_dual_heads=False, intermediate_size=None), None, target_head)
     v2 = DraftModel.from_pretrained(HEAD, revision="v2")
     assert torch.equal(draft.fusion.fc.weight, v2.fusion.fc.weight)
     assert torch.equal(load_reference(HEAD, draft, target_head).fusion.fc.weight,

@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-dual-heads", action="store_true",
                    help="griffin / griffin3: build the head without its dual heads, one feature both scored and fed "
                         "back as EAGLE's (an ablation head)")
+    p.add_argument("--intermediate-size", type=positive_int, default=None, metavar="N",
+                   help="the draft layer's MLP width (default: the target's; Token-Guided Fusion keeps the target's "
+                        "either way), e.g. an eagle3 head as large as a griffin3 one, to tell width from architecture")
     p.add_argument("--lm-head-init", default="random", choices=["random", "target"],
                    help="eagle3 / griffin3: start their lm_head at random (EAGLE-3's choice, the default: the "
                         "target's start measured no better, benchmarks/results/eagle3-first-step.md) or as the "
@@ -163,10 +166,12 @@ VALIDATION = "validation.json"
 FEATURE_STORE_FILES = {name: "a feature store (python -m training.build_features)"
                        for name in (MANIFEST, BUILD, "shard-*.safetensors")}  # refused in --out
 SPLIT_SEED = 1234  # fixed so that every head trained on a store is validated on the same conversations
-RESUME_SETTINGS = ("arch", "no_tgf", "no_dual_heads", "steps", "ttt_steps", "lm_head_init", "topk", "epochs",
-                   "max_updates", "lr", "warmup", "batch_size", "max_len", "draft_vocab", "init_from", "seed",
-                   "grad_clip", "weight_decay", "noise", "w_token", "mixed_precision", "val_fraction", "val_max")
-NEWER_SETTINGS = {"no_tgf": False, "no_dual_heads": False}  # what a run saved before these flags existed ran with
+RESUME_SETTINGS = ("arch", "no_tgf", "no_dual_heads", "intermediate_size", "steps", "ttt_steps", "lm_head_init",
+                   "topk", "epochs", "max_updates", "lr", "warmup", "batch_size", "max_len", "draft_vocab", "init_from",
+                   "seed", "grad_clip", "weight_decay", "noise", "w_token", "mixed_precision", "val_fraction",
+                   "val_max")
+# what a run saved before these flags existed ran with
+NEWER_SETTINGS = {"no_tgf": False, "no_dual_heads": False, "intermediate_size": None}
 
 
 def split(n: int, fraction: float) -> tuple[list[int], list[int]]:
@@ -212,6 +217,9 @@ def build_head(args, store: FeatureStore, target_head) -> DraftModel:
             built = f"built without {' and '.join(ablated)}" if ablated else "a head with both of GRIFFIN's parts"
             raise ValueError(f"--init-from {args.init_from} is {built}: pass the --no-tgf / --no-dual-heads that "
                              "match it")
+        if args.intermediate_size not in (None, draft.config.intermediate_size):
+            raise ValueError(f"--init-from {args.init_from} has an MLP width of {draft.config.intermediate_size} but "
+                             f"--intermediate-size is {args.intermediate_size}: leave it out to continue that head")
         size = draft.config.draft_vocab_size
         if args.draft_vocab not in (None, size):
             raise ValueError(f"--init-from {args.init_from} has a draft vocabulary of {size or 'all'} tokens but "
@@ -221,8 +229,11 @@ def build_head(args, store: FeatureStore, target_head) -> DraftModel:
     else:
         layers = {"feature_layers": store.feature_layers} if args.arch in FUSED_ARCHS else {}
         tgf, dual = parts(args)
+        widths = {"intermediate_size": args.intermediate_size,  # Token-Guided Fusion's width stays the target's
+                  "tgf_intermediate_size": target_head.config.intermediate_size if tgf else None} \
+            if args.intermediate_size else {}
         config = DraftConfig.from_target(target_head.config, arch=args.arch, draft_vocab_size=args.draft_vocab or 0,
-                                         tgf=tgf, dual_heads=dual, **layers)
+                                         tgf=tgf, dual_heads=dual, **layers, **widths)
         draft = DraftModel(config)
         if args.draft_vocab:
             eos = getattr(target_head.config, "eos_token_id", None)
@@ -309,6 +320,7 @@ class Trainer:
         self.settings = {k: getattr(args, k, None) for k in RESUME_SETTINGS} | {"processes": accelerator.num_processes}
         self.history: list[dict] = []
         self.run_info = {"arch": args.arch, "tgf": draft.config.tgf, "dual_heads": draft.config.dual_heads,
+                         "intermediate_size": draft.config.intermediate_size,
                          "steps": args.steps, "ttt_steps": args.ttt_steps,
                          "lm_head_init": args.lm_head_init if args.arch in FUSED_ARCHS else None, "topk": args.topk,
                          "lr": lr, "warmup": warmup,
