@@ -625,6 +625,30 @@ def test_a_step_killed_twice_fails_the_recipe(tmp_path, monkeypatch):
     assert scheduler.FREE == free()
 
 
+def test_a_training_killed_for_memory_runs_again_resuming_the_checkpoint_it_left(tmp_path, monkeypatch):
+    """The first run of a chunk's training has no checkpoint to resume; once killed after its first save, the run
+    alone continues that checkpoint (without --resume, train refuses an --out that holds one)."""
+    monkeypatch.setattr(scheduler, "FREE", free())
+    args = Namespace(work=str(tmp_path / "work"), checkpoints=str(tmp_path / "heads"), dtype="bf16")
+    cfg = {"stage_ends": [2, 4], "regen_records": 0, "chunk_shards": 1, "shards": 4, "batch_size": 4,
+           "draft_vocab": 64}
+    runs: list[tuple[str, ...]] = []
+
+    def run_step(module: str, *argv: str) -> float:
+        runs.append(argv)
+        out = Path(argv[argv.index("--out") + 1])
+        if len(runs) == 1:
+            (out / "train_state").mkdir(parents=True)  # the killed run's save at its update 50
+            raise scheduler.StepKilled("python -m training.train was killed (SIGKILL; out of memory?)")
+        return 1.0
+
+    monkeypatch.setattr(scheduler, "run_step", run_step)
+    run = steps.train(args, cfg, {"heads": {}}, schedule.GEN3[0], 0, tmp_path / "store")
+    assert run == Path(args.work) / "runs" / "eagle3" / "chunk-000"
+    assert "--resume" not in runs[0] and runs[1] == (*runs[0], "--resume")
+    assert scheduler.FREE == free()
+
+
 def test_longest_first_orders_heads_by_their_last_training_on_a_chunk_of_the_same_kind():
     heads = {h.name: h for h in schedule.HEADS}
     cfg = {"regen_records": 1, "chunk_shards": 1, "shards": 4}  # even chunks ShareGPT, odd ones the target's answers

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -137,18 +138,19 @@ def alone():
             SLOTS.notify_all()
 
 
-def python(module: str, *argv: str) -> float:
+def python(module: str, *argv: str, again: Callable[[], list[str]] | None = None) -> float:
     """Run ``python -m module argv`` as its own process (its output goes to this log) once a slot is free, or fail;
     -> the seconds the process ran (not those it waited for a slot). A process killed by SIGKILL (the out-of-memory
-    killer: steps side by side can need more memory than the machine has) runs once more, alone; steps resume what
-    they had finished (shards, parts, training checkpoints)."""
+    killer: steps side by side can need more memory than the machine has) runs once more, alone, with the arguments
+    ``again()`` gives then (default: the same); steps resume what they had finished (shards, parts, and with
+    ``--resume`` from ``again``, the training checkpoint the killed run left)."""
     try:
         with slot(short=module in SHORT_STEPS):
             return run_step(module, *argv)
     except StepKilled as killed:
         log.warning("%s: running it again alone, once the other steps have ended", killed)
         with alone():
-            return run_step(module, *argv)
+            return run_step(module, *(argv if again is None else again()))
 
 
 def run_step(module: str, *argv: str) -> float:

@@ -326,9 +326,11 @@ def train(args, cfg: dict, state: dict, head: Head, chunk: int, store: Path) -> 
             "--mixed-precision", autocast(args), "--save-every", "50"]
     if init is not None:
         argv += ["--init-from", str(init)]
-    if (run / "train_state").is_dir():
-        argv.append("--resume")
-    scheduler.python("training.train", *argv)
+
+    def resumed() -> list[str]:  # continues the checkpoint a killed earlier run left (else train refuses its --out)
+        return argv + ["--resume"] if (run / "train_state").is_dir() else argv
+
+    scheduler.python("training.train", *resumed(), again=resumed)
     return run
 
 
