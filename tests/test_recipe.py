@@ -123,7 +123,7 @@ def test_recipe_continues_on_a_fresh_machine_from_the_committed_heads(tmp_path, 
     one_at_a_time = threading.Lock()  # in one process, steps must not overlap: loading a model sets torch's default
     # dtype, which is process-wide, so a model loaded beside another could get some tensors in the other's dtype
 
-    def in_process(module: str, *argv: str) -> float:  # the recipe's steps, without a process each
+    def in_process(module: str, *argv: str, again=None) -> float:  # the recipe's steps, without a process each
         calls.append((module, argv))
         if module == "training.build_features" and "1:2" in argv:
             beside.set()
@@ -280,7 +280,7 @@ def test_committed_answers_spare_a_fresh_machine_their_regeneration_and_go_once_
         tmp_path, tiny_target_dir, monkeypatch):
     calls = []
 
-    def in_process(module: str, *argv: str) -> float:
+    def in_process(module: str, *argv: str, again=None) -> float:
         calls.append(module)
         assert importlib.import_module(module).main(list(argv)) == 0
         return 1.0
@@ -831,7 +831,7 @@ def test_the_eagle3_generation_trains_its_heads_with_training_time_test_on_three
         tmp_path, tiny_target_dir, monkeypatch):
     calls = []
 
-    def in_process(module: str, *argv: str) -> float:
+    def in_process(module: str, *argv: str, again=None) -> float:
         calls.append((module, argv))
         assert importlib.import_module(module).main(list(argv)) == 0
         return 0.0
