@@ -21,6 +21,7 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy
@@ -99,21 +100,26 @@ def gen3_line(where: str) -> str | None:
     return "eagle3" if "eagle3" in where else "griffin3" if "griffin3" in where else None
 
 
+def gen3_runs(files: list[tuple[Path, dict]], n: int) -> Iterator[tuple[str, int, Path, dict, str]]:
+    """(lineage, chunk, file, its result, the head's name in it) of every EAGLE-3-generation head measured on ``n``
+    prompts."""
+    for path, result in files:
+        if result["n_prompts"]["0"] != n:
+            continue
+        for name in result["heads"]:
+            where = result.get("head_paths", {}).get(name, name)  # a head measured alone is named by its last folder
+            if (line := gen3_line(where)) is not None:
+                yield line, chunk_of(where, path), path, result, name
+
+
 def paired_rows(files: list[tuple[Path, dict]], n: int) -> list[dict]:
     """Over the files of ``n`` prompts, per chunk: each EAGLE-3-generation head against itself after the chunk
     measured before (``eagle3_step``, ``griffin3_step``) and eagle3 against griffin3 (``gap``)."""
     prompts: dict[tuple[str, int], list[dict]] = {}  # (lineage, chunk) -> its per-prompt records at T=0
     names: dict[int, set[str]] = {}  # chunk -> the files its points come from
-    for path, result in files:
-        if result["n_prompts"]["0"] != n:
-            continue
-        for name in result["heads"]:
-            where = result.get("head_paths", {}).get(name, name)
-            if (line := gen3_line(where)) is None:
-                continue
-            chunk = chunk_of(where, path)
-            prompts[(line, chunk)] = result["heads"][name]["0"]["per_prompt"]
-            names.setdefault(chunk, set()).add(path.name)
+    for line, chunk, path, result, name in gen3_runs(files, n):
+        prompts[(line, chunk)] = result["heads"][name]["0"]["per_prompt"]
+        names.setdefault(chunk, set()).add(path.name)
     chunks = sorted(names)
     rows = []
     for prev, chunk in zip([None, *chunks], chunks):
@@ -148,15 +154,8 @@ def chunk_of(where: str, path: Path) -> int:
 
 def taus_of(files: list[tuple[Path, dict]], n: int) -> dict[tuple[str, int], tuple[float, float, str]]:
     """(lineage, chunk) -> τ, its standard error and the file, over the files of ``n`` prompts."""
-    taus = {}
-    for path, result in files:
-        if result["n_prompts"]["0"] != n:
-            continue
-        for name in result["heads"]:
-            where = result.get("head_paths", {}).get(name, name)  # a head measured alone is named by its last folder
-            if (line := gen3_line(where)) is not None:
-                taus[(line, chunk_of(where, path))] = (*tau_of(result, name), path.stem)
-    return taus
+    return {(line, chunk): (*tau_of(result, name), path.stem)
+            for line, chunk, path, result, name in gen3_runs(files, n)}
 
 
 def signed(d: dict | None) -> str | None:
