@@ -91,8 +91,8 @@ def fixed_val(name: str) -> Path:
     return store
 
 
-def evaluate_args(arm: str, name: str, store: Path | None = None) -> list[str]:
-    return ["-m", "training.evaluate", str(WORK / arm), "--features", str(store or f"work/recipe3/fixed-val-{name}"),
+def evaluate_args(arm: str, name: str, store: Path) -> list[str]:
+    return ["-m", "training.evaluate", str(WORK / arm), "--features", str(store),
             "--steps", "7", "--topk", "3", "--mixed-precision", "no", "--out", str(OUT / f"{arm}-{name}.json")]
 
 
