@@ -443,3 +443,33 @@ def test_distillation_flags_train_record_and_reach_the_card(tmp_path, tiny_store
     other.config.target["name"] = "another-target"
     other.save_pretrained(tmp_path / "other")
     check("--select", "adaspec", "--reference", str(tmp_path / "other"), message="was trained for target")
+
+
+FRAGMENT = """
+import ctypes
+import torch
+from training.train import release_freed_memory
+
+def rss_mb():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+
+ctypes.CDLL(None).mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MB from the heap (as after large frees)
+big, pins = [], []
+for _ in range(40):  # 320 MB of 8 MB blocks, each followed by a 2 MB block that stays alive (too large for a hole)
+    big.append(torch.ones(2 << 20))
+    pins.append(torch.ones(512 << 10))
+del big
+before = rss_mb()
+assert release_freed_memory()
+print(before, rss_mb())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_release_freed_memory_returns_the_freed_heap_pages_to_the_os():
+    res = subprocess.run([sys.executable, "-c", FRAGMENT], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    before, after = map(float, res.stdout.split())
+    assert before - after > 200, (before, after)  # the freed blocks were resident until the trim
