@@ -22,7 +22,7 @@ HERE = Path("benchmarks/results/recipe3-speed")  # run from the repository root
 HEADLINE = Path("benchmarks/results")
 SUFFIX = {"fp32": "", "bf16": "-bf16"}
 HEADS = [  # (row label, file stem without the dtype suffix, folder)
-    ("griffin3 (recipe3, 12.92M tokens)", "mt_bench-recipe3-griffin3-T0", HERE),
+    ("griffin3 (recipe3, all 36 chunks, 17.47M tokens)", "mt_bench-recipe3-griffin3-T0", HERE),
     ("GRIFFIN (shipped, 15.76M tokens)", "mt_bench-shipped-griffin-T0", HERE),
     ("GRIFFIN (shipped), its headline run cut to these prompts", "mt_bench-smollm2-135m-instruct-griffin-lookup10-T0",
      HEADLINE),
