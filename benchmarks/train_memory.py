@@ -38,8 +38,7 @@ NO_TRIM = "import sys, training.train as t; t.release_freed_memory = lambda: Fal
 
 def view(source: Path, shard: int, folder: Path) -> Path:
     """A store of shard ``shard`` of ``source``, hard-linked so that it outlives the recipe's clean-up."""
-    from griffin.io import atomic_write_json
-    from training.store import BUILD, MANIFEST, shard_name, write_manifest
+    from training.store import BUILD, MANIFEST, link_view, shard_name
 
     data = f"{source.name} shard {shard}"
     if (folder / MANIFEST).is_file() and json.loads((folder / BUILD).read_text()).get("data") == data:
@@ -48,14 +47,7 @@ def view(source: Path, shard: int, folder: Path) -> Path:
         raise SystemExit(f"error: {source} has no shard {shard}: build it with python -m training.build_features "
                          f"--data sharegpt --out {source} --shards {shard}:{shard + 1} --shard-size 256 --max-len 1024 "
                          "--feature-layers auto (the recipe's shards), or pick a shard it holds")
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / MANIFEST).unlink(missing_ok=True)  # the view is complete again only once its manifest is rewritten
-    (folder / shard_name(0)).unlink(missing_ok=True)
-    (folder / shard_name(0)).hardlink_to((source / shard_name(shard)).resolve())
-    build = json.loads((source / BUILD).read_text()) | {"max_samples": None, "data": data}
-    atomic_write_json(folder / BUILD, build)
-    write_manifest(folder, build, [shard_name(0)])
-    return folder
+    return link_view(source, [shard], folder, data, hard=True)
 
 
 def rss_gb(pid: int) -> float | None:

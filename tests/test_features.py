@@ -165,3 +165,24 @@ def test_two_processes_build_the_same_store(tmp_path, tiny_target_dir):
     assert shards_equal(tmp_path / "one", tmp_path / "two")
     manifest = json.loads((tmp_path / "two" / "manifest.json").read_text())
     assert manifest["num_samples"] == 10 and len(manifest["shards"]) == 5
+
+
+def test_a_linked_view_holds_the_chosen_shards_and_hard_links_outlive_the_source(tmp_path, tiny_target_dir):
+    from training.store import link_view, shard_name
+
+    data = write_data(tmp_path / "d.json", conversations(6, words=20))
+    code, err = run_main("training.build_features", "--target", str(tiny_target_dir), "--data", data, "--out",
+                         str(tmp_path / "src"), "--max-len", "160", "--shard-size", "2")
+    assert code == 0, err
+    source = FeatureStore(tmp_path / "src")
+    view = link_view(tmp_path / "src", [1, 2], tmp_path / "view", "d shards 1..2")
+    linked = FeatureStore(view)
+    first = source.manifest["shards"][0]["num_samples"]  # conversations of shard 0, which the view leaves out
+    assert len(linked) == len(source) - first > 0 and linked.manifest["data"] == "d shards 1..2"
+    assert torch.equal(linked[0].input_ids, source[first].input_ids)
+    assert not (tmp_path / "view.tmp").exists() and (view / shard_name(0)).is_symlink()
+    hard = link_view(tmp_path / "src", [0], tmp_path / "hard", "d shard 0", hard=True)
+    expected = source[0].input_ids.clone()
+    for shard in (tmp_path / "src").glob("shard-*"):
+        shard.unlink()
+    assert torch.equal(FeatureStore(hard)[0].input_ids, expected)

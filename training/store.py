@@ -18,6 +18,9 @@ only once fully written).
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,6 +102,25 @@ def open_shard(path: Path):
 def read_shard_stats(path: Path) -> dict[str, Any]:
     with open_shard(path) as handle:
         return json.loads(handle.metadata()["stats"])
+
+
+def link_view(source: Path, shards: Sequence[int], folder: Path, data: str, hard: bool = False) -> Path:
+    """A store at ``folder`` whose shards 0, 1, ... link to shards ``shards`` of the complete or partial store
+    ``source`` (symbolic links; ``hard``: hard links, which outlive the source's deletion), with its build record
+    (``data`` naming what the view holds). Built beside ``folder`` and renamed into place, so that a killed run never
+    leaves a view that looks complete."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for i, shard in enumerate(shards):
+        target = (source / shard_name(shard)).resolve()
+        (tmp / shard_name(i)).hardlink_to(target) if hard else (tmp / shard_name(i)).symlink_to(target)
+    build = json.loads((source / BUILD).read_text()) | {"max_samples": None, "data": data}
+    atomic_write_json(tmp / BUILD, build)
+    write_manifest(tmp, build, [shard_name(i) for i in range(len(shards))])
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    return folder
 
 
 def write_manifest(folder: Path, build: dict[str, Any], shard_files: list[str]) -> dict[str, Any]:

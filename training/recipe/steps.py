@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from griffin.io import atomic_write_json, atomic_write_text
 
 from ..data import iter_records
 from ..regenerate import part_cost_file, part_file
-from ..store import BUILD, MANIFEST, StoreError, shard_name, write_manifest
+from ..store import MANIFEST, StoreError, link_view, shard_name
 from . import scheduler
 from .progress import add_seconds, chunk_timing, chunks_done
 from .schedule import Head, all_heads, chunk_source, fixed_sets, heads_of, peak_lr, stage_of, training_topk
@@ -172,18 +171,7 @@ def build_chunk(args, cfg: dict, chunk: int, timing: dict, records: int = 0) -> 
     seconds = scheduler.python("training.build_features", "--data", cfg["data"], "--out", str(sharegpt), "--shards",
                                f"{shards.start}:{shards.stop}", "--shard-size", str(cfg["shard_records"]), *common)
     add_seconds(timing, "features_s", seconds, fresh)
-    tmp = view.with_name(view.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for i, shard in enumerate(shards):
-        (tmp / shard_name(i)).symlink_to((sharegpt / shard_name(shard)).resolve())
-    build = json.loads((sharegpt / BUILD).read_text()) | {"max_samples": None, "data": f"{cfg['data']} shards "
-                                                          f"{shards.start}..{shards.stop - 1}"}
-    atomic_write_json(tmp / BUILD, build)
-    write_manifest(tmp, build, [shard_name(i) for i in range(len(shards))])
-    shutil.rmtree(view, ignore_errors=True)
-    os.replace(tmp, view)
-    return view
+    return link_view(sharegpt, shards, view, f"{cfg['data']} shards {shards.start}..{shards.stop - 1}")
 
 
 def prune_features(args, cfg: dict, chunk: int) -> None:

@@ -44,7 +44,7 @@ def run(args: list[str]) -> None:
 
 def features() -> Path:
     """A store of the one shard (a view linking the recipe's shard), built first if the recipe has not."""
-    from training.store import BUILD, MANIFEST, shard_name, write_manifest
+    from training.store import MANIFEST, link_view, shard_name
 
     view = WORK / "features"
     if (view / MANIFEST).is_file():
@@ -53,13 +53,7 @@ def features() -> Path:
         run(["-m", "training.build_features", "--data", "sharegpt", "--out", str(SHAREGPT), "--shards",
              f"{SHARD}:{SHARD + 1}", "--shard-size", "256", "--target", "smollm2-135m-instruct", "--max-len", "1024",
              "--dtype", "fp32", "--feature-layers", "auto"])
-    view.mkdir(parents=True, exist_ok=True)
-    (view / shard_name(0)).unlink(missing_ok=True)
-    (view / shard_name(0)).symlink_to((SHAREGPT / shard_name(SHARD)).resolve())
-    build = json.loads((SHAREGPT / BUILD).read_text()) | {"max_samples": None, "data": f"sharegpt shard {SHARD}"}
-    atomic_write_json(view / BUILD, build)
-    write_manifest(view, build, [shard_name(0)])
-    return view
+    return link_view(SHAREGPT, [SHARD], view, f"sharegpt shard {SHARD}")
 
 
 def train_args(arm: str, store: Path) -> list[str]:

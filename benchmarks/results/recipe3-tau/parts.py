@@ -49,7 +49,7 @@ TAU = ["--bench", "mt_bench", "--temperatures", "0", "--max-new-tokens", "128", 
 
 def features() -> Path:
     """A store of the one shard (a view linking the recipe's shard), built first if the recipe has not."""
-    from training.store import BUILD, MANIFEST, shard_name, write_manifest
+    from training.store import BUILD, MANIFEST, link_view, shard_name
 
     view = WORK / "features"
     if (view / MANIFEST).is_file():
@@ -62,13 +62,7 @@ def features() -> Path:
             run(["-m", "training.build_features", "--data", "sharegpt", "--out", str(source), "--shards",
                  f"{SHARD}:{SHARD + 1}", "--shard-size", "256", "--target", "smollm2-135m-instruct", "--max-len",
                  "1024", "--dtype", "fp32", "--feature-layers", "auto"])
-    view.mkdir(parents=True, exist_ok=True)
-    (view / shard_name(0)).unlink(missing_ok=True)
-    (view / shard_name(0)).hardlink_to((source / shard_name(SHARD)).resolve())  # outlives the recipe's clean-up
-    build = json.loads((source / BUILD).read_text()) | {"max_samples": None, "data": f"sharegpt shard {SHARD}"}
-    atomic_write_json(view / BUILD, build)
-    write_manifest(view, build, [shard_name(0)])
-    return view
+    return link_view(source, [SHARD], view, f"sharegpt shard {SHARD}", hard=True)  # outlives the recipe's clean-up
 
 
 def train_args(arm: str, store: Path) -> list[str]:
