@@ -343,6 +343,18 @@ def test_batching_benchmark_on_a_tiny_target(tmp_path, tiny_target_dir, head_dir
     assert "| - | - |" in text and "second turns (after our plain loop's first answer of at most 5 tokens)" in text
     assert out.with_suffix(".png").is_file()
     assert "| 2 | 4 nodes, depth 2 + lookup 3 |" in out.with_suffix(".md").read_text()
+    both = tmp_path / "both"  # first turns, then second turns: groups of one turn each, ours' speedup per turn
+    res = run_module("benchmarks.batching", "--target", str(tiny_target_dir), "--draft", str(head_dir),
+                     "--total-tokens", "4", "--depth", "2", "--lookup", "3", "--batch-sizes", "2", "--dtypes", "fp32",
+                     "--prompts", "2", "--max-new-tokens", "6", "--turn", "both", "--answer-tokens", "5",
+                     "--min-groups", "1", "--out", str(both))
+    assert res.returncode == 0, res.stderr
+    result = json.loads(both.with_suffix(".json").read_text())
+    run = result["runs"][0]
+    assert result["turn"] == "both" and run["prompt_tokens"] == first_turns + second["prompt_tokens"]
+    assert run["batches"]["2"]["group_speedup"]["groups"] == 2
+    assert set(run["batches"]["2"]["turn_speedup"]) == {"1", "2"}
+    assert "first / second turns" in both.with_suffix(".md").read_text()
 
 
 def test_pass_cost_study_on_a_tiny_target(tmp_path, tiny_target_dir, head_dir):
