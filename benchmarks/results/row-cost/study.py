@@ -1,4 +1,4 @@
-"""What one verified row costs at batch 2, fp32 against bf16, and the speedup a tree could reach at most there.
+"""What one verified row costs at batch 2, fp32 against bf16, and what a tree could give there at most and gives.
 
     OMP_NUM_THREADS=1 python benchmarks/results/row-cost/study.py            # about 10 minutes on one core
 
