@@ -90,6 +90,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def mt_bench_turns(gen, questions: int, answer_tokens: int | None) -> tuple[list, list]:
+    """The first ``questions`` MT-Bench first turns, chat-templated, and (with ``answer_tokens``) their second turns
+    after the batched plain loop's greedy first answer of at most that many tokens (else none): two lists of [P]."""
+    from griffin.batch import decode_rows
+    from griffin.decode import GenerationStats
+    from griffin.sampling import SamplingConfig
+    from inference.questions import load_questions
+
+    asked = load_questions("mt_bench", questions)
+    chats = [[{"role": "user", "content": q["turns"][0]}] for q in asked]
+    firsts = [gen.encode(c) for c in chats]
+    if answer_tokens is None:
+        return firsts, []
+    answers = decode_rows(gen.backend, None, firsts, [answer_tokens] * len(firsts), SamplingConfig(),
+                          gen.eos_ids(None), None, GenerationStats())
+    replies = [gen.tokenizer.decode(a, skip_special_tokens=True) for a in answers]
+    return firsts, [gen.encode([*c, {"role": "assistant", "content": r}, {"role": "user", "content": q["turns"][1]}])
+                    for c, r, q in zip(chats, replies, asked, strict=True)]
+
+
 def run_dtype(args: argparse.Namespace, dtype: str) -> dict:
     import torch
 
@@ -99,7 +119,6 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> dict:
     from griffin.decode import GenerationStats
     from griffin.plain import plain_generate
     from griffin.sampling import SamplingConfig
-    from inference.questions import load_questions
 
     gen = SpecGenerator.from_pretrained(args.target, args.draft, dtype=dtype, total_tokens=args.total_tokens,
                                         depth=args.depth, lookup=args.lookup,
@@ -107,19 +126,9 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> dict:
     eos = gen.eos_ids(None)
     eos_ids = set(eos.tolist())
     pad = gen.tokenizer.pad_token_id if gen.tokenizer.pad_token_id is not None else eos.tolist()[0]
-    questions = load_questions("mt_bench", args.prompts)
-    chats = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
-    firsts = [gen.encode(c) for c in chats]
-    second_turns: list[torch.Tensor] = []
-    if args.turn != "1":
-        answers = decode_rows(gen.backend, None, firsts, [args.answer_tokens] * len(firsts), SamplingConfig(), eos,
-                              None, GenerationStats())
-        replies = [gen.tokenizer.decode(a, skip_special_tokens=True) for a in answers]
-        second_turns = [gen.encode([*c, {"role": "assistant", "content": r},
-                                    {"role": "user", "content": q["turns"][1]}])
-                        for c, r, q in zip(chats, replies, questions, strict=True)]
+    firsts, second_turns = mt_bench_turns(gen, args.prompts, args.answer_tokens if args.turn != "1" else None)
     prompts = {"1": firsts, "2": second_turns, "both": firsts + second_turns}[args.turn]
-    turn_of = {"1": [1] * len(firsts), "2": [2] * len(firsts), "both": [1] * len(firsts) + [2] * len(firsts)}[args.turn]
+    turn_of = [1] * (len(prompts) - len(second_turns)) + [2] * len(second_turns)  # each prompt's turn
     budget = args.max_new_tokens
 
     def cut(tokens: list[int]) -> list[int]:
@@ -184,14 +193,14 @@ def run_dtype(args: argparse.Namespace, dtype: str) -> dict:
             for name in order[shift:] + order[:shift]:
                 start = time.perf_counter()
                 new = runs[name](group)
-                took = time.perf_counter() - start
+                took, count = time.perf_counter() - start, sum(len(t) for t in new)
                 if turn < groups:
                     outputs[name] += new
                 seconds[name] += took
-                tokens[name] += sum(len(t) for t in new)
-                by_turn[turn_of[turn % groups * b]][name][0] += sum(len(t) for t in new)
+                tokens[name] += count
+                by_turn[turn_of[turn % groups * b]][name][0] += count
                 by_turn[turn_of[turn % groups * b]][name][1] += took
-                group_rates[name].append(sum(len(t) for t in new) / took)
+                group_rates[name].append(count / took)
         if b == 1:
             single = outputs
         rate = {m: tokens[m] / seconds[m] for m in runs}

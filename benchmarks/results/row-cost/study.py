@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.batching import mt_bench_turns
 from griffin import SpecGenerator
 from griffin.autotune import forward_cost_rows
 from griffin.batch import decode_rows
@@ -35,7 +36,6 @@ from griffin.decode import GenerationStats
 from griffin.io import atomic_write_json, atomic_write_text
 from griffin.report import machine_info, machine_text, markdown_table
 from griffin.sampling import SamplingConfig
-from inference.questions import load_questions
 
 HERE = Path(__file__).parent
 TOKENS = [1, 2, 3, 5, 8, 16]  # new tokens per row of a pass: each tree's width among them
@@ -52,19 +52,6 @@ def gemm_gflops(dtype: torch.dtype, n: int = 2048) -> float:
         a @ b
         times.append(time.perf_counter() - t0)
     return 2 * n**3 / statistics.median(times) / 1e9
-
-
-def turns(gen: SpecGenerator, count: int) -> dict[int, list[torch.Tensor]]:
-    """MT-Bench first turns, and second turns after the batched plain loop's greedy first answer (256 tokens)."""
-    questions = load_questions("mt_bench", count)
-    chats = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
-    firsts = [gen.encode(c) for c in chats]
-    answers = decode_rows(gen.backend, None, firsts, [256] * count, SamplingConfig(), gen.eos_ids(None), None,
-                          GenerationStats())
-    replies = [gen.tokenizer.decode(a, skip_special_tokens=True) for a in answers]
-    seconds = [gen.encode([*c, {"role": "assistant", "content": r}, {"role": "user", "content": q["turns"][1]}])
-               for c, r, q in zip(chats, replies, questions, strict=True)]
-    return {1: firsts, 2: seconds}
 
 
 def trees_at_batch_2(gen: SpecGenerator, prompts: list[torch.Tensor]) -> dict[str, dict]:
@@ -106,7 +93,8 @@ def measure(dtype: str) -> dict:
     out = {"dtype": dtype, "gemm_gflops": gemm_gflops(gen.target.dtype), "linear_flops_per_row": flops_per_row,
            "pass_s": {str(n): s for n, s in cost.items()}, "s_per_row": slope,
            "row_gflops": flops_per_row / slope / 1e9, "trees": {}}
-    runs = {str(t): trees_at_batch_2(gen, p) for t, p in turns(gen, 2 * GROUPS).items()}
+    firsts, seconds = mt_bench_turns(gen, 2 * GROUPS, 256)  # second turns after a first answer of 256 tokens
+    runs = {"1": trees_at_batch_2(gen, firsts), "2": trees_at_batch_2(gen, seconds)}
     for nodes, depth in TREES:
         name, ratio = f"{nodes}x{depth}", cost[nodes + 1] / cost[1]
         tree = out["trees"][name] = {"pass_ratio": ratio, "turns": {}}
